@@ -1,0 +1,50 @@
+# sonata: the two commands are `make train` and `make test`.
+# Every target that needs Python depends on the venv stamp, so a fresh clone
+# sets itself up on first use and later calls cost nothing.
+PY      ?= python3.11
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.sonata-installed
+RUN     ?= runs/train
+NB_ARGS ?=
+TORCH_PIN := torch==2.13.0
+
+export PYTHONHASHSEED := 0
+export TIKTOKEN_CACHE_DIR ?= $(CURDIR)/.cache/tiktoken
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+
+.PHONY: setup train test test-fast bench lint clean kernel
+
+setup: $(STAMP)
+
+# Pinned CPU torch first: with torch already satisfied, installing the package
+# never pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (sonata)" >/dev/null
+	@touch $(STAMP)
+
+# The main job: run notebook 01 headlessly with its default parameters.
+train: $(STAMP)
+	@mkdir -p $(RUN)
+	$(BIN)/papermill notebooks/01_train_tinystories.ipynb $(RUN)/01_train_tinystories.ipynb \
+		-k python3 -p out_dir $(RUN) $(NB_ARGS)
+	@echo "executed notebook: $(RUN)/01_train_tinystories.ipynb"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --nbval-lax --sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider notebooks
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not notebook" tests
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/scan.py
+	$(BIN)/python benchmarks/train_speed.py
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache runs

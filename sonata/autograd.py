@@ -1,0 +1,45 @@
+"""torch.autograd glue between the fused scan kernels and the rest of PyTorch.
+
+A fused backend is a module with two functions (see sonata/kernels/cpu.py and
+sonata/kernels/triton.py):
+
+    forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+        -> (out, last_state, saved)      # saved: tuple of tensors for backward
+    backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, saved)
+        -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias)
+
+`D`, `z` and `delta_bias` may be None, and so are their gradients then. `dout`
+or `dlast` may be None (that output was not used). `saved` holds what the
+kernel needs beyond the inputs (a few chunk-boundary states, never the full
+(batch, L, d_inner, N) state tensor): the backward recomputes the rest.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class SelectiveScanFn(torch.autograd.Function):
+    """out, last_state = SelectiveScanFn.apply(impl, u, delta, A, B, C, D, z, delta_bias, softplus)."""
+
+    @staticmethod
+    def forward(ctx, impl, u, delta, A, B, C, D, z, delta_bias, delta_softplus):
+        out, last_state, saved = impl.forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+        ctx.impl = impl
+        ctx.delta_softplus = delta_softplus
+        ctx.n_saved = len(saved)
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, *saved)
+        ctx.set_materialize_grads(False)
+        return out, last_state
+
+    @staticmethod
+    def backward(ctx, dout, dlast):
+        u, delta, A, B, C, D, z, delta_bias, *saved = ctx.saved_tensors
+        grads = ctx.impl.backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias,
+                                  ctx.delta_softplus, tuple(saved))
+        du, ddelta, dA, dB, dC, dD, dz, ddelta_bias = grads
+        return None, du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, None
+
+
+def fused_scan(impl, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
+    """Run a fused backend with autograd; returns (out, last_state)."""
+    return SelectiveScanFn.apply(impl, u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus))

@@ -1,0 +1,102 @@
+"""The selective scan: one entry point, three backends.
+
+    selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None,
+                   delta_softplus=False, return_last_state=False, backend="auto")
+
+`reference` is plain PyTorch (the oracle, any dtype, autograd through it);
+`cpu` is fused numba kernels; `triton` is fused Triton kernels (CUDA, or CPU
+tensors under TRITON_INTERPRET=1). `auto` picks triton on CUDA and cpu on CPU.
+
+When a requested fast path cannot run, the reference runs instead, a
+process-wide fallback counter moves (`fallback_count()`) and a warning names
+the reason once per reason. The trainer reports the counter every step.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import warnings
+
+import torch
+
+from sonata.autograd import fused_scan
+from sonata.kernels.reference import selective_scan_ref
+
+BACKENDS = ("auto", "reference", "cpu", "triton")
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+_lock = threading.Lock()
+_fallbacks = 0
+_warned: set[str] = set()
+
+
+def fallback_count() -> int:
+    """How many scans ran the reference because a requested fast path could not."""
+    return _fallbacks
+
+
+def reset_fallback_count() -> None:
+    global _fallbacks
+    with _lock:
+        _fallbacks = 0
+
+
+def _record_fallback(reason: str) -> None:
+    global _fallbacks
+    with _lock:
+        _fallbacks += 1
+        first = reason not in _warned
+        _warned.add(reason)
+    if first:
+        warnings.warn(f"sonata: selective scan fell back to the reference backend: {reason}",
+                      RuntimeWarning, stacklevel=3)
+
+
+def triton_interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _load(name: str):
+    """Import a fused backend module, or return the reason it cannot be imported."""
+    try:
+        return importlib.import_module(f"sonata.kernels.{name}"), None
+    except ImportError as e:  # numba or triton missing
+        return None, f"{name} backend unavailable ({e})"
+
+
+def resolve_backend(backend: str, u: torch.Tensor) -> tuple[str, str | None]:
+    """Which backend runs for tensors like `u`: (name, reason it is not the requested one)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown scan backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "reference":
+        return "reference", None
+    if backend == "auto":
+        backend = "triton" if u.is_cuda else "cpu"
+    if u.dtype not in _FUSED_DTYPES:
+        return "reference", f"{backend} backend does not support dtype {u.dtype}"
+    if backend == "cpu" and u.device.type != "cpu":
+        return "reference", f"cpu backend needs CPU tensors, got {u.device}"
+    if backend == "triton" and not u.is_cuda and not triton_interpreter_on():
+        return "reference", "triton backend needs a CUDA device (or TRITON_INTERPRET=1 for CPU tensors)"
+    mod, reason = _load(backend)
+    if mod is None:
+        return "reference", reason
+    return backend, None
+
+
+def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None,
+                   delta_softplus=False, return_last_state=False, backend="auto"):
+    name, reason = resolve_backend(backend, u)
+    if reason is not None:
+        _record_fallback(reason)
+    if name == "reference":
+        return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                                  return_last_state)
+    impl, _ = _load(name)
+    out, last_state = fused_scan(impl, u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+    return (out, last_state) if return_last_state else out
+
+
+__all__ = ["selective_scan", "selective_scan_ref", "fallback_count", "reset_fallback_count",
+           "resolve_backend", "BACKENDS"]
