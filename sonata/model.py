@@ -1,0 +1,192 @@
+"""The Mamba language model: pre-norm residual Mamba-1 blocks and tied embeddings.
+
+Names mirror state-spaces/mamba (in_proj, conv1d, x_proj, dt_proj, A_log, D,
+out_proj) so readers can move between codebases. The scan runs through
+`sonata.kernels.selective_scan` with the backend of `ModelConfig.backend`;
+generation runs the same recurrence one token at a time (O(1) per token).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from sonata.config import ModelConfig
+from sonata.kernels import selective_scan
+from sonata.kernels.reference import step as scan_step
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class MambaMixer(nn.Module):
+    """The selective SSM layer: in_proj -> conv -> SiLU -> scan (gated by z) -> out_proj."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, di, n, r = cfg.d_model, cfg.d_inner, cfg.d_state, cfg.dt_rank_
+        self.cfg = cfg
+        self.in_proj = nn.Linear(d, 2 * di, bias=False)
+        self.conv1d = nn.Conv1d(di, di, cfg.d_conv, groups=di, padding=cfg.d_conv - 1, bias=True)
+        self.x_proj = nn.Linear(di, r + 2 * n, bias=False)
+        self.dt_proj = nn.Linear(r, di, bias=True)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).repeat(di, 1))
+        self.D = nn.Parameter(torch.ones(di))
+        self.out_proj = nn.Linear(di, d, bias=False)
+        self._init_dt(cfg)
+
+    def _init_dt(self, cfg: ModelConfig) -> None:
+        r = cfg.dt_rank_
+        nn.init.uniform_(self.dt_proj.weight, -r ** -0.5, r ** -0.5)
+        # bias = softplus^-1(dt) with dt log-uniform in [dt_min, dt_max]
+        dt = torch.exp(torch.rand(cfg.d_inner) * (math.log(cfg.dt_max) - math.log(cfg.dt_min))
+                       + math.log(cfg.dt_min)).clamp(min=cfg.dt_init_floor)
+        with torch.no_grad():
+            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    @property
+    def A(self) -> torch.Tensor:
+        return -torch.exp(self.A_log.float())                           # (di, n)
+
+    def _ssm_inputs(self, x):
+        """x (b, L, di) after conv+SiLU -> delta (b, di, L), B, C (b, n, L)."""
+        r, n = self.cfg.dt_rank_, self.cfg.d_state
+        dt, B, C = self.x_proj(x).split([r, n, n], dim=-1)             # (b, L, r|n|n)
+        delta = (dt @ self.dt_proj.weight.t()).transpose(1, 2)          # (b, di, L); bias in the scan
+        return delta, B.transpose(1, 2), C.transpose(1, 2)
+
+    def forward(self, h):                                               # h (b, L, d)
+        L = h.shape[1]
+        xz = self.in_proj(h).transpose(1, 2)                            # (b, 2di, L)
+        x, z = xz.chunk(2, dim=1)                                       # (b, di, L) each
+        x = F.silu(self.conv1d(x)[..., :L])
+        delta, B, C = self._ssm_inputs(x.transpose(1, 2))
+        y = selective_scan(x.contiguous(), delta.contiguous(), self.A, B.contiguous(), C.contiguous(),
+                           self.D.float(), z=z.contiguous(), delta_bias=self.dt_proj.bias.float(),
+                           delta_softplus=True, backend=self.cfg.backend)   # (b, di, L)
+        return self.out_proj(y.transpose(1, 2))
+
+    def empty_state(self, batch: int, device, dtype=torch.float32):
+        di = self.cfg.d_inner
+        return (torch.zeros(batch, di, self.cfg.d_conv, device=device, dtype=dtype),      # conv window
+                torch.zeros(batch, di, self.cfg.d_state, device=device, dtype=torch.float32))  # ssm
+
+    def step(self, h, state):                                           # h (b, d)
+        conv_state, ssm_state = state
+        x, z = self.in_proj(h).chunk(2, dim=-1)                         # (b, di)
+        conv_state = torch.cat([conv_state[..., 1:], x.unsqueeze(-1)], dim=-1)
+        x = F.silu((conv_state * self.conv1d.weight.squeeze(1)).sum(-1) + self.conv1d.bias)
+        delta, B, C = self._ssm_inputs(x.unsqueeze(1))                  # (b, di, 1), (b, n, 1)
+        y, ssm_state = scan_step(ssm_state, x, delta[..., 0], self.A, B[..., 0], C[..., 0],
+                                 self.D, z=z, delta_bias=self.dt_proj.bias, delta_softplus=True)
+        return self.out_proj(y), (conv_state, ssm_state)
+
+
+class MambaBlock(nn.Module):
+    """Pre-norm residual block: h + mixer(norm(h))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.d_model)
+        self.mixer = MambaMixer(cfg)
+
+    def forward(self, h):
+        return h + self.mixer(self.norm(h))
+
+    def step(self, h, state):
+        y, state = self.mixer.step(self.norm(h), state)
+        return h + y, state
+
+
+class MambaLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("ModelConfig.vocab_size must be set (from the vocabulary) before building")
+        self.cfg = cfg
+        self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(MambaBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm_f = RMSNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.embedding.weight                     # tied
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        nn.init.normal_(self.embedding.weight, std=0.02)
+        for layer in self.layers:
+            # GPT-2 style rescale of the residual output projection by 1/sqrt(n_layers)
+            nn.init.kaiming_uniform_(layer.mixer.out_proj.weight, a=math.sqrt(5))
+            with torch.no_grad():
+                layer.mixer.out_proj.weight /= math.sqrt(self.cfg.n_layers)
+
+    def forward(self, idx):                                             # idx (b, L)
+        h = self.embedding(idx)
+        for layer in self.layers:
+            h = layer(h)
+        return self.lm_head(self.norm_f(h))                             # (b, L, vocab)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def step(self, idx, states):
+        """One token per sequence: idx (b,) -> logits (b, vocab), new states."""
+        h = self.embedding(idx)
+        new = []
+        for layer, s in zip(self.layers, states):
+            h, s = layer.step(h, s)
+            new.append(s)
+        return self.lm_head(self.norm_f(h)), new
+
+    @torch.no_grad()
+    def generate(self, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+                 generator: torch.Generator | None = None, stop_token: int | None = None):
+        """Recurrent sampling: prompt (b, T) int64 -> (b, T + new) ids."""
+        b = prompt.shape[0]
+        dev = prompt.device
+        states = [layer.mixer.empty_state(b, dev) for layer in self.layers]
+        logits = None
+        for t in range(prompt.shape[1]):
+            logits, states = self.step(prompt[:, t], states)
+        out = [prompt]
+        done = torch.zeros(b, dtype=torch.bool, device=dev)
+        for _ in range(max_new_tokens):
+            if temperature <= 0:
+                nxt = logits.argmax(-1)
+            else:
+                lg = logits.float() / temperature
+                if top_k:
+                    kth = lg.topk(min(top_k, lg.shape[-1]), dim=-1).values[:, -1:]
+                    lg = lg.masked_fill(lg < kth, float("-inf"))
+                nxt = torch.multinomial(F.softmax(lg, -1), 1, generator=generator)[:, 0]
+            out.append(nxt[:, None])
+            if stop_token is not None:
+                done |= nxt == stop_token
+                if bool(done.all()):
+                    break
+            logits, states = self.step(nxt, states)
+        return torch.cat(out, dim=1)
+
+
+def param_groups(model: nn.Module, weight_decay: float):
+    """AdamW groups: no weight decay on A_log, D, norms, biases (and embeddings' tie is decayed once)."""
+    decay, no_decay, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        leaf = name.rsplit(".", 1)[-1]
+        if p.ndim < 2 or leaf in ("A_log", "D") or "norm" in name:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]

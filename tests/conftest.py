@@ -1,0 +1,38 @@
+"""Shared fixtures. Tests run offline; real TinyStories data is used when
+$SONATA_TINYSTORIES points at a file (CI sets it from ../shared/data)."""
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("SONATA_PROGRESS", "lines")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tinystories_path():
+    p = os.environ.get("SONATA_TINYSTORIES")
+    if not p or not Path(p).exists():
+        pytest.skip("real TinyStories sample not available: set SONATA_TINYSTORIES=/path/to/"
+                    "tinystories_train_sample.txt (CI does this from ../shared/data)")
+    return Path(p)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from sonata.data import get_tokenizer
+    return get_tokenizer()
+
+
+def tiny_overrides(out=None, **extra):
+    """Overrides for a model that trains in seconds on the embedded corpus."""
+    o = {"model.d_model": "32", "model.n_layers": "1", "model.d_state": "4",
+         "data.seq_len": "32", "data.vocab_size": "300", "data.max_stories": "60",
+         "train.max_steps": "6", "train.micro_batch": "4", "train.effective_batch": "4",
+         "train.warmup_steps": "2", "train.eval_every": "0", "train.eval_tokens": "512",
+         "train.lr": "3e-3"}
+    o.update({k: str(v) for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in o.items()]

@@ -1,0 +1,76 @@
+import torch
+
+from sonata.config import ModelConfig
+from sonata.model import MambaLM, param_groups
+
+
+def _model(**kw):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=300, backend="reference", **kw)
+    return MambaLM(cfg)
+
+
+def test_seed_configuration_has_about_186k_parameters():
+    m = MambaLM(ModelConfig(vocab_size=512))
+    assert 180_000 <= m.num_params() <= 190_000
+    assert m.lm_head.weight is m.embedding.weight
+
+
+def test_initialisation_follows_the_reference():
+    m = _model()
+    mix = m.layers[0].mixer
+    n = m.cfg.d_state
+    assert torch.allclose(mix.A, -torch.arange(1, n + 1).float().expand(m.cfg.d_inner, n))
+    assert torch.equal(mix.D.data, torch.ones(m.cfg.d_inner))
+    dt = torch.nn.functional.softplus(mix.dt_proj.bias.detach())
+    assert float(dt.min()) >= 1e-4 * 0.999 and float(dt.max()) <= 0.1 * 1.001
+
+
+def test_forward_shape_and_causality():
+    m = _model(d_model=32, d_state=4).eval()
+    idx = torch.randint(0, 300, (2, 17))
+    with torch.no_grad():
+        a = m(idx)
+        idx2 = idx.clone()
+        idx2[:, 9:] = (idx2[:, 9:] + 1) % 300
+        b = m(idx2)
+    assert a.shape == (2, 17, 300)
+    assert torch.allclose(a[:, :9], b[:, :9], atol=1e-6)
+    assert not torch.allclose(a[:, 9:], b[:, 9:])
+
+
+def test_recurrent_generation_agrees_with_parallel_forward():
+    m = _model(d_model=48, n_layers=2, d_state=8).double().eval()
+    idx = torch.randint(0, 300, (3, 25))
+    with torch.no_grad():
+        full = m(idx)
+        states = [layer.mixer.empty_state(3, "cpu", torch.float64) for layer in m.layers]
+        states = [(c, s.double()) for c, s in states]
+        steps = []
+        for t in range(idx.shape[1]):
+            logits, states = m.step(idx[:, t], states)
+            steps.append(logits)
+    assert torch.allclose(full, torch.stack(steps, 1), atol=1e-10, rtol=1e-9)
+
+
+def test_generate_is_seeded_and_stops():
+    m = _model(d_model=32, d_state=4).eval()
+    p = torch.zeros(2, 3, dtype=torch.long)
+    g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    a = m.generate(p, 10, generator=g1)
+    b = m.generate(p, 10, generator=g2)
+    assert a.shape == (2, 13) and torch.equal(a, b)
+    greedy = m.generate(p, 5, temperature=0)
+    stop = int(greedy[0, 3])
+    assert m.generate(p[:1], 5, temperature=0, stop_token=stop).shape[1] == 4
+
+
+def test_no_weight_decay_on_A_log_D_norms_and_biases():
+    m = _model()
+    decay, no_decay = param_groups(m, 0.1)
+    names = {id(p): n for n, p in m.named_parameters()}
+    nd = {names[id(p)].rsplit(".", 1)[-1] for p in no_decay["params"]}
+    d = {names[id(p)] for p in decay["params"]}
+    assert {"A_log", "D", "bias", "weight"} <= nd   # weight: the RMSNorm weights
+    assert all("norm" not in n and not n.endswith(("A_log", ".D", "bias")) for n in d)
+    assert sum(p.numel() for g in (decay, no_decay) for p in g["params"]) == m.num_params()
