@@ -1,7 +1,7 @@
 # sonata: the two commands are `make train` and `make test`.
 # Every target that needs Python depends on the venv stamp, so a fresh clone
 # sets itself up on first use and later calls cost nothing.
-PY      ?= python3.11
+PY      ?= $(shell command -v python3.11 || command -v python3)
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.sonata-installed

@@ -50,12 +50,15 @@ def load(path, map_location="cpu") -> dict:
         raise CheckpointError(f"checkpoint not found: {path}")
     if path.is_dir():
         raise CheckpointError(f"checkpoint path is a folder, not a file: {path}")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; a cut one has no directory
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt (not a complete torch archive)")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "unsafe content"
+        what = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln or "Unsupported" in ln),
+                    "unsupported content")
         raise CheckpointError(f"refusing checkpoint {path}: it holds objects that are not plain "
-                              f"tensors and containers and could run code ({first[:160]})") from None
+                              f"tensors and containers and could run code ({what[:160]})") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({first[:160]})") from None
