@@ -1,0 +1,250 @@
+"""The fused numba CPU scan (sonata/kernels/cpu.py) against the float64 reference.
+
+Inputs are fresh random draws every run. Each test draws its seed from the OS and
+puts it in every assertion message; set SONATA_TEST_SEED=<seed> to replay a failure.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("numba")
+
+from sonata.kernels import cpu  # noqa: E402
+from sonata.kernels import fallback_count, selective_scan, selective_scan_ref  # noqa: E402
+
+GRAD_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
+
+
+def new_seed() -> int:
+    env = os.environ.get("SONATA_TEST_SEED")
+    return int(env) if env else random.SystemRandom().randrange(2**31)
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Make every torch.empty in the cpu backend NaN-filled, so an output element
+    that a kernel forgets to write shows up as NaN instead of stale memory."""
+
+    class NaNTorch:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*args, **kwargs):
+            return torch.empty(*args, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(cpu, "torch", NaNTorch())
+
+
+def make_inputs(seed, batch, dim, N, L, *, D=True, z=True, bias=True, softplus=True,
+                big_delta=False, dtype=torch.float32):
+    """Mamba-like inputs: dt = softplus(delta + bias) mostly in [0.001, 0.1] (log-uniform
+    init of the bias, small delta), or in ~[0.3, 5] with big_delta; A = -(1..N) with jitter.
+    Returns (tensors dict, kwargs for selective_scan)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    dt_init = torch.exp(torch.rand(dim, generator=g, dtype=torch.float64)
+                        * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
+    if big_delta:
+        dt_raw = 1.0 + 1.5 * randn(batch, dim, L)                  # softplus: ~0.3 .. 5
+        bias_t = 0.1 * randn(dim)
+    else:
+        bias_t = dt_init + torch.log(-torch.expm1(-dt_init))         # softplus^-1(dt_init)
+        dt_raw = bias_t[None, :, None] + 0.3 * randn(batch, dim, L)
+    if softplus:
+        delta = dt_raw - (bias_t[None, :, None] if bias else 0)
+    else:                          # delta (+ bias) is used as dt directly: keep it positive
+        dt = torch.nn.functional.softplus(dt_raw)
+        delta = dt - (bias_t[None, :, None] if bias else 0)
+    A = -torch.arange(1, N + 1, dtype=torch.float64).repeat(dim, 1) * torch.exp(0.1 * randn(dim, N))
+    t = dict(u=randn(batch, dim, L), delta=delta, A=A, B=randn(batch, N, L), C=randn(batch, N, L),
+             D=randn(dim) if D else None, z=randn(batch, dim, L) if z else None,
+             delta_bias=bias_t if bias else None)
+    t = {k: (v.to(dtype) if v is not None else None) for k, v in t.items()}
+    return t, dict(delta_softplus=softplus)
+
+
+def leaves(t, dtype=None):
+    """Fresh leaf copies (optionally cast) that require grad; None stays None."""
+    return {k: (v.detach().to(dtype or v.dtype).clone().requires_grad_() if v is not None else None)
+            for k, v in t.items()}
+
+
+def run(t, kw, dout, dlast, backend):
+    """Forward and backward of one backend: (out, last_state, {name: grad})."""
+    out, last = (selective_scan(**t, **kw, return_last_state=True, backend=backend)
+                 if backend != "ref" else selective_scan_ref(**t, **kw, return_last_state=True))
+    loss = 0
+    if dout is not None:
+        loss = loss + (out.to(dout.dtype) * dout).sum()
+    if dlast is not None:
+        loss = loss + (last.to(dlast.dtype) * dlast).sum()
+    names = [k for k in GRAD_NAMES if t[k] is not None]
+    grads = torch.autograd.grad(loss, [t[k] for k in names], allow_unused=True)
+    return out, last, dict(zip(names, grads))
+
+
+def check_close(name, got, ref, seed, rtol, atol, rel_rms):
+    """allclose (atol scaled by the reference's RMS, for gradients that are large
+    sums) plus a relative-RMS bound; no NaN/inf anywhere."""
+    ctx = f"{name} (seed={seed})"
+    assert got is not None, f"{ctx}: missing"
+    assert got.shape == ref.shape, f"{ctx}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    got = got.detach().to(torch.float64)
+    ref = ref.detach().to(torch.float64)
+    assert torch.isfinite(got).all(), f"{ctx}: non-finite values"
+    scale = max(1.0, ref.pow(2).mean().sqrt().item()) if ref.numel() else 1.0
+    err = (got - ref).abs()
+    bad = err > atol * scale + rtol * ref.abs()
+    assert not bad.any(), (f"{ctx}: {int(bad.sum())}/{bad.numel()} elements off, max abs err "
+                           f"{err.max().item():.3g} (scale {scale:.3g})")
+    denom = ref.norm().item()
+    if denom > 0:
+        rel = (got - ref).norm().item() / denom
+        assert rel <= rel_rms, f"{ctx}: relative RMS error {rel:.3g} > {rel_rms:.3g}"
+
+
+def compare_to_reference(seed, batch, dim, N, L, *, use_dout=True, use_dlast=True,
+                         dtype=torch.float32, tol=(6e-4, 2e-3, 2e-4), **opts):
+    t, kw = make_inputs(seed, batch, dim, N, L, dtype=dtype, **opts)
+    g = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(batch, dim, L, generator=g, dtype=torch.float64) if use_dout else None
+    dlast = torch.randn(batch, dim, N, generator=g, dtype=torch.float64) if use_dlast else None
+
+    fused = leaves(t)
+    out, last, grads = run(fused, kw, dout, dlast, "cpu")
+    r_out, r_last, r_grads = run(leaves(t, torch.float64), kw, dout, dlast, "ref")
+
+    assert out.dtype == dtype, f"out dtype {out.dtype} (seed={seed})"
+    assert last.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    rtol, atol, rel_rms = tol
+    check_close("out", out, r_out, seed, rtol, atol, rel_rms)
+    check_close("last_state", last, r_last, seed, rtol, atol, rel_rms)
+    for name, ref in r_grads.items():
+        got = grads[name]
+        assert got is not None and got.dtype == fused[name].dtype, f"d{name} dtype (seed={seed})"
+        check_close("d" + name, got, ref, seed, rtol, atol, rel_rms)
+    for name in ("D", "z", "delta_bias"):
+        if t[name] is None:
+            assert name not in grads
+
+
+# ----------------------------------------------------------------------------- accuracy
+
+@pytest.mark.parametrize("L", [1, 63, 130, 300])
+@pytest.mark.parametrize("dim", [5, 200])
+@pytest.mark.parametrize("N", [1, 16])
+@pytest.mark.parametrize("all_options", [True, False], ids=["D-z-bias-softplus", "bare"])
+def test_matches_reference(nan_empty, L, dim, N, all_options):
+    flags = dict(D=all_options, z=all_options, bias=all_options, softplus=all_options)
+    compare_to_reference(new_seed(), 2, dim, N, L, **flags)
+
+
+@pytest.mark.parametrize("flags", [
+    dict(D=True, z=False, bias=False, softplus=True),
+    dict(D=False, z=True, bias=True, softplus=False),
+    dict(D=True, z=True, bias=True, softplus=True, big_delta=True),
+    dict(D=False, z=False, bias=False, softplus=True, big_delta=True),
+], ids=["D-softplus", "z-bias", "big-delta", "big-delta-bare"])
+def test_matches_reference_options(nan_empty, flags):
+    compare_to_reference(new_seed(), 3, 37, 16, 150, **flags)
+
+
+@pytest.mark.parametrize("use_dout,use_dlast", [(True, False), (False, True)],
+                         ids=["out-only", "last-state-only"])
+def test_gradient_through_one_output(nan_empty, use_dout, use_dlast):
+    """Only one of (out, last_state) reaches the loss: the other gradient is None."""
+    compare_to_reference(new_seed(), 2, 24, 16, 140, use_dout=use_dout, use_dlast=use_dlast)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(nan_empty, dtype):
+    """Half inputs and outputs, float32 inside: close to the float64 reference run on
+    the same (rounded) inputs, within half-precision output rounding."""
+    rtol, atol = (4e-3, 1e-2) if dtype == torch.float16 else (2e-2, 5e-2)
+    compare_to_reference(new_seed(), 2, 48, 16, 100, dtype=dtype, tol=(rtol, atol, rtol))
+
+
+def test_mixed_precision_parameters(nan_empty):
+    """bf16 activations with float32 A, D, delta_bias (as under autocast): grads keep
+    each input's dtype."""
+    seed = new_seed()
+    t, kw = make_inputs(seed, 2, 16, 8, 70)
+    t = {k: (v.to(torch.bfloat16) if k in ("u", "delta", "B", "C", "z") else v) for k, v in t.items()}
+    fused = leaves(t)
+    out, _, grads = run(fused, kw, torch.randn(2, 16, 70, dtype=torch.float64), None, "cpu")
+    assert out.dtype == torch.bfloat16
+    for name, grad in grads.items():
+        assert grad.dtype == t[name].dtype, f"d{name}: {grad.dtype} (seed={seed})"
+        assert torch.isfinite(grad).all(), f"d{name} (seed={seed})"
+
+
+@pytest.mark.parametrize("chunk", [64, 2], ids=["one-chunk", "chunk-2"])
+def test_gradcheck_float64(monkeypatch, chunk):
+    """Finite differences through the fused float64 backward, all options on. chunk=2
+    makes the tiny sequence span several checkpoints (recompute + chunk boundaries)."""
+    monkeypatch.setattr(cpu, "CHUNK", chunk)
+    seed = new_seed()
+    t, kw = make_inputs(seed, 2, 3, 2, 5, dtype=torch.float64)
+    t = leaves(t)
+    names = list(GRAD_NAMES)
+
+    def f(*xs):
+        out, last = selective_scan(**dict(zip(names, xs)), **kw, return_last_state=True,
+                                   backend="cpu")
+        return out, last
+
+    assert torch.autograd.gradcheck(f, tuple(t[k] for k in names), eps=1e-6, atol=1e-6, rtol=1e-5), \
+        f"seed={seed}"
+
+
+# ----------------------------------------------------------------------------- properties
+
+def test_deterministic(nan_empty):
+    """Bit-identical outputs and gradients on repeated calls, and for any thread count."""
+    seed = new_seed()
+    t, kw = make_inputs(seed, 3, 200, 16, 300)
+    g = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(3, 200, 300, generator=g, dtype=torch.float64)
+    dlast = torch.randn(3, 200, 16, generator=g, dtype=torch.float64)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n_threads in (threads, threads, 1):
+            torch.set_num_threads(n_threads)
+            results.append(run(leaves(t), kw, dout, dlast, "cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    (out0, last0, g0) = results[0]
+    for out, last, grads in results[1:]:
+        assert torch.equal(out, out0) and torch.equal(last, last0), f"seed={seed}"
+        for name in g0:
+            assert torch.equal(grads[name], g0[name]), f"d{name} differs (seed={seed})"
+
+
+def test_saved_state_is_chunked():
+    """The forward keeps one state per chunk, not the (batch, dim, L, N) states."""
+    batch, dim, N, L = 2, 8, 16, 300
+    t, kw = make_inputs(new_seed(), batch, dim, N, L)
+    with torch.no_grad():
+        _, _, saved = cpu.forward(t["u"], t["delta"], t["A"], t["B"], t["C"], t["D"], t["z"],
+                                  t["delta_bias"], kw["delta_softplus"])
+    assert sum(s.numel() for s in saved) <= batch * dim * N * math.ceil(L / cpu.CHUNK)
+
+
+def test_dispatcher_does_not_fall_back():
+    t, kw = make_inputs(new_seed(), 2, 8, 4, 20)
+    before = fallback_count()
+    for backend in ("cpu", "auto"):
+        fused = leaves(t)
+        out = selective_scan(**fused, **kw, backend=backend)
+        out.sum().backward()
+    assert fallback_count() == before
