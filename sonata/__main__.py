@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from sonata.errors import SonataError
+from sonata.errors import SonataError, TrainingInterrupted
 
 EXIT_USAGE = 2
 
@@ -81,6 +81,9 @@ def main(argv=None) -> int:
     try:
         args = _parser().parse_args(argv)
         return {"train": cmd_train, "generate": cmd_generate}[args.command](args)
+    except TrainingInterrupted as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 128 + e.signum
     except SonataError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

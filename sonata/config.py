@@ -14,6 +14,9 @@ from dataclasses import asdict, dataclass, field, fields
 from sonata.errors import ConfigError
 
 
+PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+
+
 @dataclass
 class ModelConfig:
     d_model: int = 96
@@ -27,6 +30,9 @@ class ModelConfig:
     dt_init_floor: float = 1e-4
     vocab_size: int = 0         # 0: taken from the vocabulary when the model is built
     backend: str = "auto"       # selective-scan backend: auto | reference | cpu | triton
+    a_param: str = "log"        # log: A = -exp(A_log), contracting by construction; direct: A is the parameter
+    a_constraint: bool = False  # after each optimizer step, project A <= -a_min (every exp(delta*A) < 1)
+    a_min: float = 1e-4
 
     @property
     def d_inner(self) -> int:
@@ -57,7 +63,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     seed: int = 0
-    precision: str = "fp32"
+    precision: str = "fp32"     # fp32 | fp16 (autocast + GradScaler) | bf16 (autocast) | int8 (fake-quant weights)
+    decay_steps: int = 0        # cosine horizon; 0: train.max_steps (set it to extend a run exactly)
+    max_nonfinite: int = 5      # consecutive non-finite steps (skipped) before training stops
     eval_every: int = 100       # 0: only at the end
     eval_tokens: int = 0        # 0: the whole validation split
     checkpoint_every: int = 0   # 0: only the final checkpoint
@@ -117,7 +125,12 @@ class Config:
         _check(t.warmup_steps >= 0, "train.warmup_steps must be >= 0")
         _check(t.weight_decay >= 0, "train.weight_decay must be >= 0")
         _check(t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 = off)")
-        _check(t.precision in ("fp32",), f"train.precision must be fp32, not {t.precision!r}")
+        _check(m.a_param in ("log", "direct"), f"model.a_param must be log or direct, not {m.a_param!r}")
+        _check(m.a_min > 0, "model.a_min must be positive")
+        _check(t.precision in PRECISIONS,
+               f"train.precision must be one of {', '.join(PRECISIONS)}, not {t.precision!r}")
+        _check(t.decay_steps >= 0, "train.decay_steps must be >= 0 (0 = train.max_steps)")
+        _check(t.max_nonfinite > 0, "train.max_nonfinite must be positive")
         for k in ("eval_every", "eval_tokens", "checkpoint_every", "threads"):
             _check(getattr(t, k) >= 0, f"train.{k} must be >= 0")
         _check(t.log_every > 0, "train.log_every must be positive")

@@ -314,7 +314,20 @@ class H2DCounter:
         return out
 
 
+class D2HCounter:
+    """Bytes read back from the device to the host (loss and grad-norm read-outs)."""
+
+    def __init__(self):
+        self.bytes = 0
+
+    def item(self, t: torch.Tensor) -> float:
+        if t.device.type != "cpu":
+            self.bytes += t.numel() * t.element_size()
+        return float(t)
+
+
 h2d = H2DCounter()
+d2h = D2HCounter()
 
 
 class BatchSampler:

@@ -19,3 +19,11 @@ class CheckpointError(SonataError):
 
 class TrainingDiverged(SonataError):
     """The loss became NaN or infinite."""
+
+
+class TrainingInterrupted(SonataError):
+    """Stopped by a signal; an emergency checkpoint was written."""
+
+    def __init__(self, message: str, signum: int = 2):
+        super().__init__(message)
+        self.signum = signum

@@ -18,6 +18,29 @@ from sonata.kernels import selective_scan
 from sonata.kernels.reference import step as scan_step
 
 
+def fake_quant_int8(w: torch.Tensor) -> torch.Tensor:
+    """Per-output-channel symmetric int8 fake quantization with a straight-through gradient."""
+    scale = w.detach().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+    q = torch.clamp(torch.round(w / scale), -127, 127) * scale
+    return w + (q - w).detach()
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real int8 weights and their per-row fp32 scales: w ~= q * scale[:, None]."""
+    scale = w.detach().float().abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.clamp(torch.round(w.detach().float() / scale[:, None]), -127, 127).to(torch.int8)
+    return q, scale
+
+
+class QLinear(nn.Linear):
+    """nn.Linear whose weight is int8 fake-quantized while `int8` is on (precision int8)."""
+    int8 = False
+
+    def forward(self, x):
+        w = fake_quant_int8(self.weight) if self.int8 else self.weight
+        return F.linear(x, w, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, d: int, eps: float = 1e-5):
         super().__init__()
@@ -35,13 +58,17 @@ class MambaMixer(nn.Module):
         super().__init__()
         d, di, n, r = cfg.d_model, cfg.d_inner, cfg.d_state, cfg.dt_rank_
         self.cfg = cfg
-        self.in_proj = nn.Linear(d, 2 * di, bias=False)
+        self.in_proj = QLinear(d, 2 * di, bias=False)
         self.conv1d = nn.Conv1d(di, di, cfg.d_conv, groups=di, padding=cfg.d_conv - 1, bias=True)
-        self.x_proj = nn.Linear(di, r + 2 * n, bias=False)
-        self.dt_proj = nn.Linear(r, di, bias=True)
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).repeat(di, 1))
+        self.x_proj = QLinear(di, r + 2 * n, bias=False)
+        self.dt_proj = QLinear(r, di, bias=True)
+        a_init = torch.arange(1, n + 1, dtype=torch.float32).repeat(di, 1)   # (di, n): S4D-real
+        if cfg.a_param == "log":
+            self.A_log = nn.Parameter(torch.log(a_init))
+        else:
+            self.A_param = nn.Parameter(-a_init)
         self.D = nn.Parameter(torch.ones(di))
-        self.out_proj = nn.Linear(di, d, bias=False)
+        self.out_proj = QLinear(di, d, bias=False)
         self._init_dt(cfg)
 
     def _init_dt(self, cfg: ModelConfig) -> None:
@@ -55,7 +82,17 @@ class MambaMixer(nn.Module):
 
     @property
     def A(self) -> torch.Tensor:
-        return -torch.exp(self.A_log.float())                           # (di, n)
+        if self.cfg.a_param == "log":
+            return -torch.exp(self.A_log.float())                       # (di, n), always < 0
+        return self.A_param.float()                                     # may cross 0 unless constrained
+
+    @torch.no_grad()
+    def constrain_A(self, a_min: float) -> None:
+        """Project A so that every decay exp(delta*A) < 1: A <= -a_min."""
+        if self.cfg.a_param == "direct":
+            self.A_param.clamp_(max=-a_min)
+        else:
+            self.A_log.clamp_(min=math.log(a_min))
 
     def _ssm_inputs(self, x):
         """x (b, L, di) after conv+SiLU -> delta (b, di, L), B, C (b, n, L)."""
@@ -116,7 +153,7 @@ class MambaLM(nn.Module):
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(MambaBlock(cfg) for _ in range(cfg.n_layers))
         self.norm_f = RMSNorm(cfg.d_model)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = QLinear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.embedding.weight                     # tied
         self._init_weights()
 
@@ -133,6 +170,51 @@ class MambaLM(nn.Module):
         for layer in self.layers:
             h = layer(h)
         return self.lm_head(self.norm_f(h))                             # (b, L, vocab)
+
+    def set_int8(self, on: bool) -> None:
+        """Fake-quantize every projection and the head to int8 (training and evaluation)."""
+        for m in self.modules():
+            if isinstance(m, QLinear):
+                m.int8 = on
+
+    @torch.no_grad()
+    def max_decay(self, idx) -> float:
+        """Largest exp(delta*A) over all layers, channels and positions for input idx:
+        below 1 the recurrence is contracting; above 1 the state can blow up."""
+        h, worst = self.embedding(idx), 0.0
+        for layer in self.layers:
+            mix, L = layer.mixer, idx.shape[1]
+            x, _ = mix.in_proj(layer.norm(h)).transpose(1, 2).chunk(2, dim=1)
+            x = F.silu(mix.conv1d(x)[..., :L])
+            delta, _, _ = mix._ssm_inputs(x.transpose(1, 2))
+            dt = F.softplus(delta + mix.dt_proj.bias[:, None])           # (b, di, L)
+            A = mix.A                                                  # (di, n)
+            # exp(dt*A) is largest at the largest dt where A > 0 and the smallest where A < 0
+            hi = torch.where(A > 0, dt.amax(dim=(0, 2))[:, None] * A, dt.amin(dim=(0, 2))[:, None] * A)
+            worst = max(worst, float(torch.exp(hi.max())))
+            h = layer(h)
+        return worst
+
+    def int8_state(self) -> dict:
+        """Export: real int8 weights with per-row scales for every quantized projection and the
+        head, plus the float tensors of everything else."""
+        out, quant = {}, {}
+        for name, m in self.named_modules():
+            if isinstance(m, QLinear):
+                quant[name + ".weight"] = m
+        for name, t in self.state_dict().items():
+            if name in quant:
+                q, scale = quantize_int8(t)
+                out[name] = {"int8": q, "scale": scale}
+            else:
+                out[name] = t.detach().clone()
+        return out
+
+    def load_int8_state(self, state: dict) -> None:
+        """Load an `int8_state()` export, dequantizing the int8 weights."""
+        sd = {k: (v["int8"].float() * v["scale"][:, None] if isinstance(v, dict) else v)
+              for k, v in state.items()}
+        self.load_state_dict(sd)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -177,14 +259,15 @@ class MambaLM(nn.Module):
 
 
 def param_groups(model: nn.Module, weight_decay: float):
-    """AdamW groups: no weight decay on A_log, D, norms, biases (and embeddings' tie is decayed once)."""
+    """AdamW groups: no weight decay on A (A_log or A_param), D, norms, biases; the tied
+    embedding/head weight appears once."""
     decay, no_decay, seen = [], [], set()
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
         leaf = name.rsplit(".", 1)[-1]
-        if p.ndim < 2 or leaf in ("A_log", "D") or "norm" in name:
+        if p.ndim < 2 or leaf in ("A_log", "A_param", "D") or "norm" in name:
             no_decay.append(p)
         else:
             decay.append(p)

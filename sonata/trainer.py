@@ -10,10 +10,14 @@ and bits per byte over the whole validation split.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
+import signal
+import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +29,8 @@ import torch.nn.functional as F
 from sonata import checkpoint as ckpt
 from sonata import kernels
 from sonata.config import Config
-from sonata.data import BatchSampler, Corpus, Vocab, build_corpus, h2d, val_batches
-from sonata.errors import CheckpointError, ConfigError, TrainingDiverged
+from sonata.data import BatchSampler, Corpus, Vocab, build_corpus, d2h, h2d, val_batches
+from sonata.errors import CheckpointError, ConfigError, TrainingDiverged, TrainingInterrupted
 from sonata.model import MambaLM, param_groups
 from sonata.progress import Progress
 
@@ -42,10 +46,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def lr_at(step: int, t) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warm-up, cosine to min_lr."""
+    """Learning rate for optimizer step `step` (0-based): linear warm-up, then cosine to
+    min_lr at train.decay_steps (0: train.max_steps), constant after."""
     if t.warmup_steps and step < t.warmup_steps:
         return t.lr * (step + 1) / t.warmup_steps
-    span = max(1, t.max_steps - t.warmup_steps)
+    span = max(1, (t.decay_steps or t.max_steps) - t.warmup_steps)
     frac = min(1.0, (step - t.warmup_steps) / span)
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
@@ -99,6 +104,52 @@ class EvalResult:
     bytes: int
 
 
+class _StopSignal:
+    """While training, SIGINT/SIGTERM set a flag; the loop stops between steps, so an
+    emergency checkpoint never catches an optimizer step half-applied."""
+
+    def __init__(self):
+        self.signum = None
+        self._old = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:        # a second signal: stop now
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def autocast_for(precision: str, device: torch.device):
+    if precision == "fp16":
+        return torch.autocast(device.type, dtype=torch.float16)
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def check_precision(precision: str, device: torch.device) -> None:
+    """A clear error where a mode cannot run, never a silent switch."""
+    if precision in ("fp16", "bf16"):
+        dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+        if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise ConfigError(f"train.precision=bf16 cannot run on {torch.cuda.get_device_name(device)}")
+        try:
+            with torch.autocast(device.type, dtype=dtype):
+                torch.nn.functional.linear(torch.ones(2, 2, device=device), torch.ones(2, 2, device=device))
+        except (RuntimeError, AssertionError) as e:
+            raise ConfigError(f"train.precision={precision} cannot run on {device.type}: "
+                              f"{str(e).splitlines()[0]}") from None
+
+
 class Trainer:
     """trainer = Trainer(cfg, out_dir); trainer.run() -> summary dict."""
 
@@ -108,6 +159,7 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         self.device = resolve_device(t.device)
+        check_precision(t.precision, self.device)
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.progress_mode = progress
         vocab = Vocab.from_state_dict(state["vocab"]) if state else None
@@ -115,12 +167,17 @@ class Trainer:
         cfg.model.vocab_size = len(self.corpus.vocab)
         seed_everything(t.seed)
         self.model = MambaLM(cfg.model).to(self.device)
+        self.model.set_int8(t.precision == "int8")
         self.optimizer = torch.optim.AdamW(param_groups(self.model, t.weight_decay), lr=t.lr,
                                            betas=(0.9, 0.95), eps=1e-8)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.precision == "fp16")
         self.sampler = BatchSampler(self.corpus.train, cfg.data.seq_len, seed=t.seed)
         self.step = 0
         self.tokens = 0
+        self.counters = {"nonfinite_steps": 0, "scaler_skipped_steps": 0}
+        self._consecutive_nonfinite = 0
         self.history: list[dict] = []
+        self.emergency_reason: str | None = None
         self._byte_len = torch.from_numpy(self.corpus.vocab.byte_lengths).to(self.device)
         if state:
             self._load_state(state)
@@ -128,27 +185,41 @@ class Trainer:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict(),
                 "scheduler": {"kind": "warmup_cosine", "step": self.step},
-                "step": self.step, "tokens": self.tokens, "sampler": self.sampler.state_dict(),
-                "rng": rng_state(), "vocab": self.corpus.vocab.state_dict(),
-                "config": self.cfg.to_dict()}
+                "step": self.step, "micro_step": self.step * self.cfg.train.accumulation,
+                "tokens": self.tokens, "counters": dict(self.counters),
+                "sampler": self.sampler.state_dict(), "rng": rng_state(),
+                "vocab": self.corpus.vocab.state_dict(), "config": self.cfg.to_dict()}
 
     def _load_state(self, state: dict) -> None:
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
+            if state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
             self.sampler.load_state_dict(state["sampler"])
             self.step, self.tokens = int(state["step"]), int(state["tokens"])
+            self.counters.update(state.get("counters", {}))
             set_rng_state(state["rng"])
         except (KeyError, RuntimeError, ValueError, TypeError) as e:
             raise CheckpointError(f"checkpoint does not match this configuration: {str(e).splitlines()[0][:200]}") from None
 
-    def save_checkpoint(self, path=None) -> Path:
+    def model_is_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+
+    def save_checkpoint(self, path=None) -> Path | None:
+        """Atomic save; a model with NaN/Inf weights is never written over a good checkpoint."""
         path = Path(path) if path else self.out_dir / "checkpoint.pt"
+        if not self.model_is_finite():
+            warnings.warn(f"sonata: model has non-finite weights at step {self.step}; "
+                          f"checkpoint {path} left as it was", RuntimeWarning, stacklevel=2)
+            return None
         return ckpt.save(self.state_dict(), path)
 
     # ------------------------------------------------------------------ steps
     def train_step(self) -> dict:
+        """One optimizer step; a non-finite loss or gradient skips the update (counted)."""
         t, model = self.cfg.train, self.model
         mb, acc = t.micro_batch, t.accumulation
         t0 = time.perf_counter()
@@ -158,42 +229,74 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i in range(acc):
             xb, yb = x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]
-            logits = model(xb)                                          # (mb, L, V)
+            with autocast_for(t.precision, self.device):
+                logits = model(xb)                                      # (mb, L, V)
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), yb.reshape(-1))
-            (loss / acc).backward()
+            self.scaler.scale(loss / acc).backward()
             loss_sum += loss.detach()
+        self.scaler.unscale_(self.optimizer)
         clip = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         lr = lr_at(self.step, t)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        self.optimizer.step()
-        loss_val = float(loss_sum / acc)                                # synchronizes the device
+        loss_val = d2h.item(loss_sum / acc)                             # synchronizes the device
+        gnorm = d2h.item(grad_norm)
+        skipped = None
+        if not math.isfinite(loss_val) or (not math.isfinite(gnorm) and t.precision != "fp16"):
+            skipped = "nonfinite"
+            self.scaler.update()                                        # no-op unless fp16
+        else:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)                            # skips itself on inf grads (fp16)
+            self.scaler.update()
+            if self.scaler.is_enabled() and self.scaler.get_scale() < scale:
+                skipped = "scaler"
+            elif self.cfg.model.a_constraint:
+                for layer in model.layers:
+                    layer.mixer.constrain_A(self.cfg.model.a_min)
+        if skipped == "nonfinite":
+            self.counters["nonfinite_steps"] += 1
+            self._consecutive_nonfinite += 1
+        else:
+            self._consecutive_nonfinite = 0
+            if skipped == "scaler":
+                self.counters["scaler_skipped_steps"] += 1
+        self.optimizer.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         n_tok = t.effective_batch * self.cfg.data.seq_len
         self.step += 1
         self.tokens += n_tok
         return {"step": self.step, "loss": loss_val, "lr": lr, "tokens": self.tokens,
-                "tok_per_s": n_tok / dt, "step_s": dt, "grad_norm": float(grad_norm),
-                "fallbacks": kernels.fallback_count()}
+                "tok_per_s": n_tok / dt, "step_s": dt, "grad_norm": gnorm,
+                "skipped": skipped, "fallbacks": kernels.fallback_count()}
 
     @torch.no_grad()
-    def evaluate(self, max_tokens: int | None = None) -> EvalResult:
+    def evaluate(self, max_tokens: int | None = None, model: MambaLM | None = None) -> EvalResult:
         t = self.cfg.train
-        self.model.eval()
+        model = model or self.model
+        model.eval()
         nats = torch.zeros((), dtype=torch.float64, device=self.device)
         n_tok = n_bytes = 0
         limit = t.eval_tokens if max_tokens is None else max_tokens
         for x, y in val_batches(self.corpus.val, self.cfg.data.seq_len, max(16, t.micro_batch), limit):
-            logits = self.model(x)
+            with autocast_for(t.precision, self.device):
+                logits = model(x)
             nats += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
                                     reduction="sum").double()
             n_tok += y.numel()
             n_bytes += int(self._byte_len[y].sum())
-        self.model.train()
+        model.train()
         total = float(nats)
         return EvalResult(loss=total / max(n_tok, 1), bpb=total / (math.log(2) * max(n_bytes, 1)),
                           tokens=n_tok, bytes=n_bytes)
+
+    def evaluate_int8_export(self) -> EvalResult:
+        """Validation of a model rebuilt from the real int8 export (weights int8 + scales)."""
+        q = MambaLM(self.cfg.model).to(self.device)
+        q.load_int8_state(self.model.int8_state())
+        q.set_int8(True)
+        return self.evaluate(model=q)
 
     # ------------------------------------------------------------------ loop
     def _open_metrics(self):
@@ -213,39 +316,65 @@ class Trainer:
             f.write(line + "\n")
         return f
 
+    def _emergency(self, reason: str) -> None:
+        self.emergency_reason = reason
+        if self.out_dir:
+            self.save_checkpoint()
+
     def run(self) -> dict:
         t = self.cfg.train
         metrics = self._open_metrics() if self.out_dir else None
         kernels.reset_fallback_count()
-        h2d_start = h2d.bytes
+        h2d_start, d2h_start = h2d.bytes, d2h.bytes
         t_start = time.perf_counter()
-        measured_tokens, measured_s = 0, 0.0
+        measured_tokens, measured_s, done_here = 0, 0.0, 0
         last_eval: EvalResult | None = None
         bar = Progress(t.max_steps - self.step, "train", self.progress_mode)
         try:
-            while self.step < t.max_steps:
-                row = self.train_step()
-                row["h2d_bytes"] = h2d.bytes - h2d_start
-                h2d_start = h2d.bytes
-                if len(self.history) >= MEASURE_SKIP:
-                    measured_tokens += t.effective_batch * self.cfg.data.seq_len
-                    measured_s += row["step_s"]
-                if not math.isfinite(row["loss"]):
-                    raise TrainingDiverged(f"non-finite loss at step {self.step}; lower train.lr or check the data")
-                final = self.step == t.max_steps
-                if (t.eval_every and self.step % t.eval_every == 0) or final:
-                    last_eval = self.evaluate()
-                    row.update(val_loss=last_eval.loss, val_bpb=last_eval.bpb)
-                self.history.append(row)
-                if metrics and (self.step % t.log_every == 0 or final or "val_loss" in row):
-                    metrics.write(json.dumps(row) + "\n")
-                    metrics.flush()
-                if self.out_dir and t.checkpoint_every and self.step % t.checkpoint_every == 0 and not final:
-                    self.save_checkpoint()
-                post = {"loss": row["loss"], "tok/s": round(row["tok_per_s"])}
-                if "val_bpb" in row:
-                    post["val_bpb"] = row["val_bpb"]
-                bar.update(1, **post)
+            with _StopSignal() as stop:
+                while self.step < t.max_steps:
+                    row = self.train_step()
+                    row["h2d_bytes"], row["d2h_bytes"] = h2d.bytes - h2d_start, d2h.bytes - d2h_start
+                    h2d_start, d2h_start = h2d.bytes, d2h.bytes
+                    done_here += 1
+                    if done_here > MEASURE_SKIP:
+                        measured_tokens += t.effective_batch * self.cfg.data.seq_len
+                        measured_s += row["step_s"]
+                    row["nonfinite_steps"] = self.counters["nonfinite_steps"]
+                    row["peak_mem_bytes"] = peak_memory_bytes(self.device)
+                    final = self.step == t.max_steps
+                    if (t.eval_every and self.step % t.eval_every == 0) or final:
+                        last_eval = self.evaluate()
+                        row.update(val_loss=last_eval.loss, val_bpb=last_eval.bpb)
+                    self.history.append(row)
+                    if metrics and (self.step % t.log_every == 0 or final or "val_loss" in row
+                                    or row["skipped"]):
+                        metrics.write(json.dumps(row) + "\n")
+                        metrics.flush()
+                    if self._consecutive_nonfinite >= t.max_nonfinite:
+                        self._emergency("nonfinite")
+                        raise TrainingDiverged(
+                            f"{self._consecutive_nonfinite} consecutive non-finite steps, the last at "
+                            f"step {self.step}; updates were skipped, the last good state is in "
+                            f"{self.out_dir / 'checkpoint.pt' if self.out_dir else '(no --out)'}; "
+                            f"lower train.lr or check the data")
+                    if self.out_dir and t.checkpoint_every and self.step % t.checkpoint_every == 0 and not final:
+                        self.save_checkpoint()
+                    post = {"loss": row["loss"], "tok/s": round(row["tok_per_s"])}
+                    if "val_bpb" in row:
+                        post["val_bpb"] = row["val_bpb"]
+                    bar.update(1, **post)
+                    if stop.signum is not None:
+                        self._emergency(signal.Signals(stop.signum).name)
+                        raise TrainingInterrupted(
+                            f"stopped by {signal.Signals(stop.signum).name} after step {self.step}; "
+                            f"resume with --resume {self.out_dir / 'checkpoint.pt' if self.out_dir else '?'}",
+                            stop.signum)
+        except KeyboardInterrupt:
+            # a second Ctrl-C mid-step: the step may be half-applied, so keep the last
+            # periodic checkpoint rather than writing this state over it
+            self.emergency_reason = "KeyboardInterrupt"
+            raise
         finally:
             bar.close()
             if metrics:
@@ -262,16 +391,34 @@ class Trainer:
             "params": self.model.num_params(),
             "device": str(self.device), "threads": torch.get_num_threads(),
             "backend": kernels.resolve_backend(self.cfg.model.backend,
-                                               self.corpus.train.new_zeros(1, dtype=torch.float32))[0],
+                                               torch.zeros(1, device=self.device))[0],
             "fallbacks": kernels.fallback_count(),
             "peak_mem_bytes": peak_memory_bytes(self.device),
+            "h2d_bytes_in_steps": sum(r["h2d_bytes"] for r in self.history),
+            "d2h_bytes_in_steps": sum(r["d2h_bytes"] for r in self.history),
+            "host_offload_bytes": 0,     # nothing is offloaded to host memory in this trainer
             "precision": t.precision,
+            **self.counters,
             "data": self.corpus.summary(),
         }
+        if t.precision == "int8":
+            fp32 = self._eval_without_int8()
+            q = self.evaluate_int8_export()
+            summary.update(val_loss_fp32_weights=fp32.loss, val_loss_int8_export=q.loss,
+                           val_bpb_int8_export=q.bpb)
+            if self.out_dir:
+                torch.save(self.model.int8_state(), self.out_dir / "model_int8.pt")
         if self.out_dir:
             self.save_checkpoint()
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+
+    def _eval_without_int8(self) -> EvalResult:
+        self.model.set_int8(False)
+        try:
+            return self.evaluate()
+        finally:
+            self.model.set_int8(True)
 
 
 def load_model(path, device="cpu") -> tuple[MambaLM, Vocab, Config]:
