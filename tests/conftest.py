@@ -8,6 +8,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("SONATA_PROGRESS", "lines")
+# Without a GPU, Triton kernels are tested in its CPU interpreter, which must be
+# chosen before anything imports triton.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 REPO = Path(__file__).resolve().parent.parent
 

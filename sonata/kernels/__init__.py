@@ -82,6 +82,9 @@ def resolve_backend(backend: str, u: torch.Tensor) -> tuple[str, str | None]:
     mod, reason = _load(backend)
     if mod is None:
         return "reference", reason
+    if backend == "triton" and not u.is_cuda and not mod.INTERPRETED:
+        return "reference", ("triton kernels were compiled for CUDA: TRITON_INTERPRET=1 must be set "
+                             "before triton is first imported to run them on CPU tensors")
     return backend, None
 
 

@@ -43,9 +43,9 @@ dy = dout * silu(z). Given g_t and h_{t-1}, every gradient is local in time:
 
 The program visits the chunks from last to first. For each chunk it reloads the
 checkpoint, recomputes the chunk's states forward and writes h_{t-1} for each of
-its steps into `scratch` (batch, d_inner, min(CHUNK_L, L), N) -- one chunk's worth per
-channel, reused by every chunk, so its size is bounded by CHUNK_L, not L -- then
-walks the chunk backwards, reading h_{t-1} back and recomputing a_t and h_t in
+its steps into `scratch` (batch, d_inner, min(CHUNK_L, L), N) -- one chunk's worth
+per channel, reused by every chunk, so its size is bounded by CHUNK_L, not L --
+then walks the chunk backwards, reading h_{t-1} back and recomputing a_t and h_t in
 registers. A barrier separates the two phases (a thread may read what another
 thread of the program wrote). CHUNK_L ~ sqrt(L) balances checkpoint and scratch
 memory, each about sqrt(L) times smaller than the full state tensor.
@@ -58,12 +58,13 @@ order. The same inputs give bit-identical gradients.
 
 Precision. Every load is converted to the accumulation dtype ACC before any
 arithmetic: float32 for float16 / bfloat16 / float32 inputs, float64 for float64
-inputs (so `torch.autograd.gradcheck` can run through this backward, under the
-interpreter as on a GPU). `out` and the gradients are stored in their tensor's
-dtype; the last state is ACC.
+inputs (so `torch.autograd.gradcheck` runs through this backward). `out` and the
+gradients are stored in their tensor's dtype; the last state is ACC.
 
-CPU tensors run under the Triton interpreter (TRITON_INTERPRET=1 when this module
-is imported); there, per-op overhead dominates, so the block is as wide as allowed.
+CPU tensors run under the Triton interpreter, which needs TRITON_INTERPRET=1 in the
+environment before `triton` and this module are first imported (both decorate
+their jit functions at import). There per-op overhead dominates, so the channel
+block is as wide as allowed and the small helpers run as plain Python (`_helper`).
 """
 from __future__ import annotations
 
@@ -80,9 +81,6 @@ from sonata.kernels.reference import compute_dtype
 # Tests set this to fill every output and partial with NaN before the kernels
 # run, so an element a kernel forgets to write cannot pass a comparison.
 POISON_OUTPUTS = False
-
-# softplus(x) = x above this, as in torch.nn.functional.softplus.
-SOFTPLUS_THRESHOLD = 20.0
 
 
 # --------------------------------------------------------------------------- jit helpers
@@ -112,7 +110,7 @@ def _sigmoid(x):
 
 @_helper
 def _softplus(x):
-    """log1p(exp(x)), or x above the threshold; log1p by Kahan's trick (accurate for tiny exp(x))."""
+    """log1p(exp(x)), or x above 20 (torch's threshold); log1p by Kahan's trick (tiny exp(x))."""
     e = tl.exp(tl.minimum(x, 20.0))
     w = 1.0 + e
     lp = tl.where(w == 1.0, e, tl.log(w) * (e / tl.where(w == 1.0, 1.0, w - 1.0)))
@@ -121,14 +119,14 @@ def _softplus(x):
 
 @_helper
 def _dsoftplus(x):
-    """d softplus / dx: sigmoid(x), or 1 above the threshold (torch's convention)."""
+    """d softplus / dx: sigmoid(x), or 1 above 20 (torch's convention)."""
     return tl.where(x > 20.0, 1.0, _sigmoid(x))
 
 
 @_helper
 def _load_dt(DELTA, offs, mask, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
              ACC: tl.constexpr):
-    """(raw, dt) for one time step: raw = delta + bias, dt = softplus(raw); dt = 0 on masked lanes."""
+    """(raw, dt) for one step: raw = delta + bias, dt = softplus(raw); dt = 0 on masked lanes."""
     raw = _load(DELTA, offs, mask, ACC)
     if HAS_BIAS:
         raw = raw + bias
@@ -141,9 +139,9 @@ def _load_dt(DELTA, offs, mask, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.const
 
 @_helper
 def _step(h, A, dt, u, Bt):
-    """One step of the recurrence: returns (a_t, h_t) from h_{t-1}. (BLOCK_D, N_PAD)"""
+    """One step of the recurrence: (a_t, h_t) from h_{t-1}, tiles (BLOCK_D, N_PAD); Bt (1, N_PAD)."""
     a = tl.exp(dt[:, None] * A)
-    return a, a * h + (dt * u)[:, None] * Bt[None, :]
+    return a, a * h + (dt * u)[:, None] * Bt
 
 
 # --------------------------------------------------------------------------- kernels
@@ -173,7 +171,8 @@ def _scan_fwd_kernel(
         bias = tl.zeros([BLOCK_D], dtype=ACC)
 
     row = (pid_b * d_inner + offs_d) * L                              # x[b, d, 0]
-    col = pid_b * N * L + offs_n * L                                  # B[b, n, 0]
+    # B and C are read as (1, N_PAD) rows in the tile's own layout: no layout shuffles
+    col = pid_b * N * L + offs_n[None, :] * L                         # B[b, n, 0]
     state = (pid_b * d_inner + offs_d)[:, None] * N + offs_n[None, :]  # LAST[b, d, n]
     ckpt = (pid_b * d_inner + offs_d)[:, None] * (n_chunks * N) + offs_n[None, :]
 
@@ -185,10 +184,10 @@ def _scan_fwd_kernel(
         for t in range(t0, t1):
             u = _load(U, row + t, mask_d, ACC)
             raw, dt = _load_dt(DELTA, row + t, mask_d, bias, HAS_BIAS, SOFTPLUS, ACC)
-            Bt = _load(B, col + t, mask_n, ACC)
-            Ct = _load(C, col + t, mask_n, ACC)
+            Bt = _load(B, col + t, mask_n[None, :], ACC)
+            Ct = _load(C, col + t, mask_n[None, :], ACC)
             a, h = _step(h, A_t, dt, u, Bt)
-            y = tl.sum(h * Ct[None, :], axis=1)                      # (BLOCK_D,)
+            y = tl.sum(h * Ct, axis=1)                                  # (BLOCK_D,)
             if HAS_D:
                 y += Dv * u
             if HAS_Z:
@@ -226,11 +225,11 @@ def _scan_bwd_kernel(
         bias = tl.zeros([BLOCK_D], dtype=ACC)
 
     row = (pid_b * d_inner + offs_d) * L
-    col = pid_b * N * L + offs_n * L
+    col = pid_b * N * L + offs_n[None, :] * L
     state = (pid_b * d_inner + offs_d)[:, None] * N + offs_n[None, :]
     ckpt = (pid_b * d_inner + offs_d)[:, None] * (n_chunks * N) + offs_n[None, :]
     scratch = (pid_b * d_inner + offs_d)[:, None] * (s_len * N) + offs_n[None, :]
-    part = (pid_b * n_dblocks + pid_d) * L * N + offs_n              # DB_PART[b, blk, 0, n]
+    part = (pid_b * n_dblocks + pid_d) * L * N + offs_n[None, :]     # DB_PART[b, blk, 0, n]
 
     if HAS_DLAST:
         g = _load(DLAST, state, mask_dn, ACC)     # a_{t+1} * g_{t+1}, carried backwards
@@ -251,7 +250,7 @@ def _scan_bwd_kernel(
             tl.store(SCRATCH + scratch + (t - t0) * N, h, mask=mask_dn)
             u = _load(U, row + t, mask_d, ACC)
             raw, dt = _load_dt(DELTA, row + t, mask_d, bias, HAS_BIAS, SOFTPLUS, ACC)
-            Bt = _load(B, col + t, mask_n, ACC)
+            Bt = _load(B, col + t, mask_n[None, :], ACC)
             a, h = _step(h, A_t, dt, u, Bt)
         tl.debug_barrier()
 
@@ -261,8 +260,8 @@ def _scan_bwd_kernel(
             h_prev = _load(SCRATCH, scratch + (t - t0) * N, mask_dn, ACC)
             u = _load(U, row + t, mask_d, ACC)
             raw, dt = _load_dt(DELTA, row + t, mask_d, bias, HAS_BIAS, SOFTPLUS, ACC)
-            Bt = _load(B, col + t, mask_n, ACC)
-            Ct = _load(C, col + t, mask_n, ACC)
+            Bt = _load(B, col + t, mask_n[None, :], ACC)
+            Ct = _load(C, col + t, mask_n[None, :], ACC)
             a, h = _step(h_prev, A_t, dt, u, Bt)
             if HAS_DOUT:
                 dy = _load(DOUT, row + t, mask_d, ACC)
@@ -271,16 +270,18 @@ def _scan_bwd_kernel(
             if HAS_Z:
                 zt = _load(Z, row + t, mask_d, ACC)
                 s = _sigmoid(zt)
-                y = tl.sum(h * Ct[None, :], axis=1)
+                y = tl.sum(h * Ct, axis=1)
                 if HAS_D:
                     y += Dv * u
-                tl.store(DZ + row + t, (dy * y * s * (1.0 + zt * (1.0 - s))).to(DZ.dtype.element_ty),
-                         mask=mask_d)
+                dz = dy * y * s * (1.0 + zt * (1.0 - s))                # d silu(z)/dz
+                tl.store(DZ + row + t, dz.to(DZ.dtype.element_ty), mask=mask_d)
                 dy = dy * zt * s
-            g = g + dy[:, None] * Ct[None, :]                           # g_t
-            tl.store(DC_PART + part + t * N, tl.sum(dy[:, None] * h, axis=0), mask=mask_n)
-            tl.store(DB_PART + part + t * N, tl.sum(g * (dt * u)[:, None], axis=0), mask=mask_n)
-            gB = tl.sum(g * Bt[None, :], axis=1)                        # (BLOCK_D,)
+            g = g + dy[:, None] * Ct                                    # g_t
+            dC_t = tl.sum(dy[:, None] * h, axis=0, keep_dims=True)       # (1, N_PAD)
+            dB_t = tl.sum(g * (dt * u)[:, None], axis=0, keep_dims=True)
+            tl.store(DC_PART + part + t * N, dC_t, mask=mask_n[None, :])
+            tl.store(DB_PART + part + t * N, dB_t, mask=mask_n[None, :])
+            gB = tl.sum(g * Bt, axis=1)                                 # (BLOCK_D,)
             q = g * a * h_prev
             dA_acc += q * dt[:, None]
             du = gB * dt
@@ -323,19 +324,20 @@ def launch_config(batch: int, d_inner: int, N: int, L: int, device: torch.device
                   block_d: int | None = None, chunk_l: int | None = None) -> LaunchConfig:
     """Tile sizes from the shapes alone (so forward and backward agree), with optional overrides.
 
-    CHUNK_L is the power of two nearest above sqrt(L) (clamped to [16, 256]): checkpoints
-    cost L / CHUNK_L and the backward scratch CHUNK_L states per channel. On a GPU,
+    CHUNK_L is the smallest power of two >= sqrt(L), clamped to [16, 256]: checkpoints
+    cost L / CHUNK_L states per channel and the backward scratch CHUNK_L. On a GPU,
     BLOCK_D is the widest block that still gives about two programs per SM (the work is
-    latency-bound, so occupancy matters more than tile width), with the tile capped at
-    2048 elements to stay in registers. Under the interpreter, per-op overhead dominates,
-    so the block is as wide as allowed.
+    latency-bound, so occupancy matters more than tile width); the tile is capped at
+    1024 elements, about 4 per thread, which keeps the backward in registers on sm_90
+    (checked with ptxas: at most a few bytes of stack). Under the interpreter per-op
+    overhead dominates, so the block is as wide as allowed.
     """
     n_pad = triton.next_power_of_2(max(N, 1))
     if chunk_l is None:
         chunk_l = min(256, max(16, triton.next_power_of_2(math.isqrt(max(L - 1, 0)) + 1)))
     if chunk_l < 1 or chunk_l & (chunk_l - 1):
         raise ValueError(f"chunk_l must be a power of two, got {chunk_l}")
-    max_block = max(1, 2048 // n_pad)
+    max_block = max(1, 1024 // n_pad)
     if block_d is None:
         if device.type == "cuda":
             target = 2 * _sm_count(device.index if device.index is not None
@@ -351,7 +353,7 @@ def launch_config(batch: int, d_inner: int, N: int, L: int, device: torch.device
     if block_d < 1 or block_d & (block_d - 1):
         raise ValueError(f"block_d must be a power of two, got {block_d}")
     tile = block_d * n_pad
-    num_warps = 1 if tile <= 256 else 2 if tile <= 512 else 4
+    num_warps = min(8, max(1, tile // 128))                # about 4 tile elements per thread
     return LaunchConfig(block_d, n_pad, chunk_l, num_warps)
 
 
@@ -402,7 +404,7 @@ def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, *, block_d=None
 
 def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, saved, *,
              block_d=None, chunk_l=None):
-    """(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias), each in its input's dtype (None for absent inputs)."""
+    """(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias) in their inputs' dtypes (None if absent)."""
     (ckpt,) = saved
     batch, d_inner, L = u.shape
     N = A.shape[1]
@@ -410,7 +412,8 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
     cfg = launch_config(batch, d_inner, N, L, u.device, block_d, chunk_l)
     n_chunks = triton.cdiv(L, cfg.chunk_l)
     if ckpt.shape != (batch, d_inner, n_chunks, N):
-        raise ValueError(f"checkpoints of shape {tuple(ckpt.shape)} do not match chunk_l={cfg.chunk_l}")
+        raise ValueError(f"checkpoints of shape {tuple(ckpt.shape)} do not match "
+                         f"chunk_l={cfg.chunk_l}")
     n_dblocks = triton.cdiv(d_inner, cfg.block_d)
     u, delta, A, B, C, D, z, delta_bias, dout, dlast = map(
         _contig, (u, delta, A, B, C, D, z, delta_bias, dout, dlast))
@@ -420,7 +423,7 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
     ddelta = _new(delta.shape, delta.dtype, dev)
     dz = _new(z.shape, z.dtype, dev) if z is not None else None
     s_len = min(cfg.chunk_l, max(L, 1))                               # steps of one chunk
-    scratch = torch.empty((batch, d_inner, s_len, N), dtype=acc, device=dev)
+    scratch = _new((batch, d_inner, s_len, N), acc, dev)
     dA_part = _new((batch, d_inner, N), acc, dev)
     dB_part = _new((batch, n_dblocks, L, N), acc, dev)
     dC_part = _new((batch, n_dblocks, L, N), acc, dev)
@@ -457,3 +460,8 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
     dD = dD_part.sum(0).to(D.dtype) if D is not None else None
     ddelta_bias = dbias_part.sum(0).to(delta_bias.dtype) if delta_bias is not None else None
     return du, ddelta, dA, dB, dC, dD, dz, ddelta_bias
+
+
+# Whether these kernels run in Triton's CPU interpreter: fixed when triton was
+# imported (TRITON_INTERPRET=1 then), not by the environment at call time.
+INTERPRETED = type(_scan_fwd_kernel).__name__ == "InterpretedFunction"
