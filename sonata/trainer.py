@@ -321,7 +321,8 @@ class Trainer:
         if self.out_dir:
             self.save_checkpoint()
 
-    def run(self) -> dict:
+    def run(self, on_step=None) -> dict:
+        """Train to train.max_steps. `on_step(trainer, row)` may add fields to each row."""
         t = self.cfg.train
         metrics = self._open_metrics() if self.out_dir else None
         kernels.reset_fallback_count()
@@ -342,6 +343,8 @@ class Trainer:
                         measured_s += row["step_s"]
                     row["nonfinite_steps"] = self.counters["nonfinite_steps"]
                     row["peak_mem_bytes"] = peak_memory_bytes(self.device)
+                    if on_step is not None:
+                        on_step(self, row)
                     final = self.step == t.max_steps
                     if (t.eval_every and self.step % t.eval_every == 0) or final:
                         last_eval = self.evaluate()
