@@ -27,3 +27,54 @@ def loss_curve(history: list[dict], title: str = "training loss"):
     ax.legend()
     fig.tight_layout()
     return fig
+
+
+class Table:
+    """A list of dicts shown as an HTML table in Jupyter and as text elsewhere."""
+
+    def __init__(self, rows: list[dict]):
+        self.rows = rows
+        self.cols = list(dict.fromkeys(k for r in rows for k in r))
+
+    def _cells(self):
+        return [[("-" if r.get(c) is None else str(r.get(c))) for c in self.cols] for r in self.rows]
+
+    def __repr__(self) -> str:
+        cells = self._cells()
+        w = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(self.cols)]
+        lines = ["  ".join(c.ljust(w[i]) for i, c in enumerate(self.cols))]
+        lines += ["  ".join(v.ljust(w[i]) for i, v in enumerate(row)) for row in cells]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        import html
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.cols)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>"
+                       for row in self._cells())
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def table(rows: list[dict]) -> Table:
+    return Table(rows)
+
+
+def dynamics_curves(runs, title: str = ""):
+    """Loss and max exp(delta*A) per step for each run (notebook 05)."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for r in runs:
+        label = r.variant + (f" (diverged at {r.diverged_at})" if r.diverged else "")
+        a1.plot(r.steps, r.loss, label=label)
+        a2.plot(r.steps, r.max_decay, label=r.variant)
+    a1.set_xlabel("optimizer step")
+    a1.set_ylabel("training loss (nats / token)")
+    a1.set_title(f"loss, {title}")
+    a2.axhline(1.0, color="k", lw=1, ls="--")
+    a2.set_yscale("log")
+    a2.set_xlabel("optimizer step")
+    a2.set_ylabel("max exp(delta * A)")
+    a2.set_title("largest decay (above 1: expanding)")
+    for a in (a1, a2):
+        a.grid(alpha=0.3)
+        a.legend()
+    fig.tight_layout()
+    return fig
