@@ -21,11 +21,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import hardware_line, mambapy_lm, print_table, sync  # noqa: E402
+from _common import hardware_line, print_table  # noqa: E402
 
 from sonata.config import ModelConfig  # noqa: E402
 from sonata.kernels import fallback_count, resolve_backend  # noqa: E402
+from sonata.kernels.timing import sync  # noqa: E402
 from sonata.model import MambaLM  # noqa: E402
+from sonata.peers import mambapy_lm  # noqa: E402
 
 SEED = dict(d_model=96, n_layers=2, d_state=16, vocab_size=512)
 SEQ_LEN = 128
