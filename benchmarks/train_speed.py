@@ -25,7 +25,7 @@ from _common import hardware_line, print_table  # noqa: E402
 
 from sonata.config import ModelConfig  # noqa: E402
 from sonata.kernels import fallback_count, resolve_backend  # noqa: E402
-from sonata.kernels.timing import sync  # noqa: E402
+from sonata.kernels.timing import saved_tensor_bytes, sync  # noqa: E402
 from sonata.model import MambaLM  # noqa: E402
 from sonata.peers import mambapy_lm  # noqa: E402
 
@@ -41,20 +41,12 @@ def build(name, device):
 
 
 def saved_bytes_per_token(model, x, y) -> float:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = F.cross_entropy(model(x).reshape(-1, SEED["vocab_size"]), y.reshape(-1))
+    def fwd():
+        return F.cross_entropy(model(x).reshape(-1, SEED["vocab_size"]), y.reshape(-1))
+    loss, n = saved_tensor_bytes(fwd, exclude=list(model.parameters()))
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return sum(seen.values()) / x.numel()
+    return n / x.numel()
 
 
 def make_step(model, x, y):

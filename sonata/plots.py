@@ -78,3 +78,22 @@ def dynamics_curves(runs, title: str = ""):
         a.legend()
     fig.tight_layout()
     return fig
+
+
+def scan_times(rows: list[dict], title: str = "selective scan"):
+    """Grouped bars of forward and forward+backward ms per backend (log scale)."""
+    names = [r["backend"] for r in rows]
+    fwd = [r["fwd ms"] for r in rows]
+    fb = [r["fwd+bwd ms"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], fwd, width=0.4, label="forward")
+    ax.bar([x + 0.2 for x in xs], fb, width=0.4, label="forward + backward")
+    ax.set_xticks(list(xs), [f"{n}\n{r['size'].split(' ')[0]}" for n, r in zip(names, rows)])
+    ax.set_yscale("log")
+    ax.set_ylabel("milliseconds (log scale)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend()
+    fig.tight_layout()
+    return fig

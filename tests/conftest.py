@@ -10,10 +10,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("SONATA_PROGRESS", "lines")
 # Without a GPU, Triton kernels are tested in its CPU interpreter, which must be
 # chosen before anything imports triton.
-if "TRITON_INTERPRET" not in os.environ:
-    import torch
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
+from sonata.kernels import use_triton_interpreter_without_gpu  # noqa: E402
+
+use_triton_interpreter_without_gpu()
 
 REPO = Path(__file__).resolve().parent.parent
 

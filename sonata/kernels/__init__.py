@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import threading
 import warnings
 
@@ -55,6 +56,15 @@ def _record_fallback(reason: str) -> None:
 
 def triton_interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton_interpreter_without_gpu() -> bool:
+    """Call before triton is imported: without CUDA, run Triton kernels in Triton's CPU
+    interpreter (slow, for checking correctness). Returns whether the interpreter is on."""
+    if "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ \
+            and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    return triton_interpreter_on()
 
 
 def _load(name: str):
@@ -102,4 +112,4 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None,
 
 
 __all__ = ["selective_scan", "selective_scan_ref", "fallback_count", "reset_fallback_count",
-           "resolve_backend", "BACKENDS"]
+           "resolve_backend", "use_triton_interpreter_without_gpu", "BACKENDS"]

@@ -108,3 +108,57 @@ def time_backends(sizes=("seed",), backends=None, device="cpu", repeat=5, warmup
                          "fwd+bwd speed-up vs reference": round(ref[1] / fb, 2) if ref else None,
                          "max |out - fp64 ref|": f"{err:.1e}"})
     return rows
+
+
+def scan_with_grads(backend: str, inp: dict, dtype=None) -> dict:
+    """Output, last state and every gradient (for d(sum of out * w)) of one backend."""
+    leaves = {k: (v if dtype is None else v.to(dtype)).detach().clone().requires_grad_(True)
+              for k, v in inp.items()}
+    out, last = selective_scan(leaves["u"], leaves["delta"], leaves["A"], leaves["B"], leaves["C"],
+                               leaves["D"], leaves["z"], leaves["delta_bias"], delta_softplus=True,
+                               return_last_state=True, backend=backend)
+    w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).reshape(out.shape)
+    (out * w).sum().backward()
+    return {"out": out.detach(), "last_state": last.detach(),
+            **{f"d{k}": leaves[k].grad for k in GRAD_INPUTS}}
+
+
+def agreement(backends, inp: dict) -> list[dict]:
+    """Relative RMS error of each backend's outputs and gradients against the float64 reference."""
+    ref = scan_with_grads("reference", inp, torch.float64)
+    rows = []
+    for name in backends:
+        got = scan_with_grads(name, inp)
+        row = {"backend": name}
+        for k, r in ref.items():
+            g = got[k].double()
+            row[k] = float((g - r).norm() / r.norm().clamp(min=1e-30)) if torch.isfinite(g).all() else float("nan")
+        rows.append(row)
+    return rows
+
+
+def saved_tensor_bytes(fn, exclude=()) -> int:
+    """Run fn() and count the bytes autograd saves for its backward (distinct storages;
+    those of the tensors in `exclude`, e.g. parameters, not counted): (result, bytes)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = fn()
+    return result, sum(seen.values())
+
+
+def saved_bytes(backends, inp: dict) -> dict:
+    """Bytes saved for the backward of one scan call per backend (inputs that need grad)."""
+    out = {}
+    for name in backends:
+        leaves = {k: v.detach().clone().requires_grad_(k in GRAD_INPUTS) for k, v in inp.items()}
+        _, n = saved_tensor_bytes(lambda: _call(name, leaves))
+        out[name] = n
+    return out
