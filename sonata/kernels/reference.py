@@ -40,9 +40,10 @@ def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None,
     h = (initial_state.to(ct) if initial_state is not None
          else u.new_zeros(batch, d_inner, A.shape[1]))                    # (b, d, n)
     ys = []
-    for t in range(L):
-        h = deltaA[:, :, t] * h + deltaBu[:, :, t]
-        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    # unbind: per-step views whose backward does not allocate a full-size gradient each step
+    for dA_t, dBu_t, C_t in zip(deltaA.unbind(2), deltaBu.unbind(2), C.unbind(2)):
+        h = dA_t * h + dBu_t
+        ys.append(torch.einsum("bdn,bn->bd", h, C_t))
     y = torch.stack(ys, dim=-1) if L > 0 else u.new_zeros(batch, d_inner, 0)  # (b, d, L)
     if D is not None:
         y = y + u * D.to(ct)[None, :, None]
