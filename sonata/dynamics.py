@@ -99,5 +99,6 @@ def conclusion(sweep: list[DynamicsRun], runs: list[DynamicsRun]) -> str:
         state = (f"diverged at step {r.diverged_at}" if r.diverged
                  else f"stayed finite for all {len(r.steps)} steps, final loss {r.final_loss:.3f}")
         lines.append(f"{r.variant} at lr {r.lr}: {state}; max exp(delta*A) = {peak:.6f}"
-                     + (" (contracting throughout)." if peak < 1 else " (NOT contracting)."))
+                     + (" (never above 1: no direction of the state grows)." if peak <= 1
+                        else " (above 1: the state expands)."))
     return "\n".join(lines)
