@@ -37,7 +37,7 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
-	$(BIN)/python -m pytest -q --nbval-lax --sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider notebooks
+	$(BIN)/python -m pytest -q --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider notebooks
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not notebook" tests
