@@ -17,6 +17,7 @@ import math
 import os
 import random
 import socket
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -130,15 +131,28 @@ def _hub_reachable(host: str = "huggingface.co", timeout: float = 2.0) -> bool:
         return False
 
 
+def _force_hub_offline() -> None:
+    """Make huggingface_hub and datasets answer from the local cache only. They read
+    HF_HUB_OFFLINE when first imported, so an already-imported copy is told directly."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    for mod, attr in (("huggingface_hub.constants", "HF_HUB_OFFLINE"), ("datasets.config", "HF_HUB_OFFLINE")):
+        m = sys.modules.get(mod)
+        if m is not None and hasattr(m, attr):
+            setattr(m, attr, True)
+
+
 def load_tinystories_hub() -> list[str]:
-    """TinyStories from the Hugging Face hub; fails fast and clearly when offline."""
+    """TinyStories from the Hugging Face hub; fails fast and clearly when offline
+    (only a local Hugging Face cache can answer then: no retry loop)."""
     hint = ("point data.source at a local TinyStories .txt or .parquet file, "
             "or set SONATA_TINYSTORIES=/path/to/file")
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or not _hub_reachable()
+    if offline:
+        _force_hub_offline()
     import datasets
+    if offline:
+        _force_hub_offline()
     try:
-        if offline:  # only a local cache can answer; no 23-second retry loop
-            os.environ["HF_HUB_OFFLINE"] = "1"
         ds = datasets.load_dataset(HUB_ID, split="train")
     except Exception:
         raise DataError(f"cannot load {HUB_ID} from the Hugging Face hub "

@@ -160,6 +160,21 @@ def test_hub_offline_fails_fast_with_a_hint(monkeypatch):
     assert time.perf_counter() - t < 15
 
 
+def test_hub_unreachable_fails_fast_without_hf_hub_offline(monkeypatch):
+    import time
+
+    import sonata.data as data
+    monkeypatch.delenv("SONATA_TINYSTORIES", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(data, "_hub_reachable", lambda *a, **k: False)
+    import datasets  # already imported: the offline switch must still reach it
+    t = time.perf_counter()
+    with pytest.raises(DataError, match="offline"):
+        load_stories("tinystories")
+    assert time.perf_counter() - t < 15
+    assert datasets.config.HF_HUB_OFFLINE
+
+
 def test_real_tinystories_sample(tinystories_path, monkeypatch):
     monkeypatch.setenv("SONATA_TINYSTORIES", str(tinystories_path))
     stories = load_stories("tinystories")
