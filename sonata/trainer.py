@@ -7,6 +7,13 @@ clips, sets the learning rate from the warm-up + cosine schedule (a pure functio
 of the step, so resume needs no scheduler object), and steps AdamW. Every
 `log_every` steps a row goes to `metrics.jsonl`; validation reports loss per token
 and bits per byte over the whole validation split.
+
+Precision modes: fp32; fp16 (autocast + GradScaler, its skipped steps counted); bf16
+(autocast); int8 (fake-quantized projections and head, straight-through gradients,
+real int8 export evaluated beside the fp32 weights). A NaN/Inf loss or gradient skips
+the update; `max_nonfinite` in a row stops training with the last good state saved.
+SIGINT/SIGTERM stop between steps with an emergency checkpoint, so a checkpoint never
+holds a half-applied step.
 """
 from __future__ import annotations
 
