@@ -50,8 +50,9 @@ def run_variant(variant: str, lr: float, overrides: dict, probe_batch: int = 4,
     """Train one variant at one learning rate, recording loss and max exp(delta*A) per step."""
     cfg = make_config({**overrides, **VARIANTS[variant], "train.lr": lr})
     trainer = Trainer(cfg, None, progress=progress)
-    probe, _ = trainer.sampler.draw(probe_batch)      # drawn once, before training: fixed probe
-    trainer.sampler.load_state_dict({"gen": trainer.sampler.gen.get_state()})
+    before = trainer.sampler.state_dict()
+    probe, _ = trainer.sampler.draw(probe_batch)      # a fixed probe batch, drawn once
+    trainer.sampler.load_state_dict(before)           # ...without shifting the training batches
     run = DynamicsRun(variant, lr)
 
     def record(tr, row):

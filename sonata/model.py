@@ -18,18 +18,18 @@ from sonata.kernels import selective_scan
 from sonata.kernels.reference import step as scan_step
 
 
-def fake_quant_int8(w: torch.Tensor) -> torch.Tensor:
-    """Per-output-channel symmetric int8 fake quantization with a straight-through gradient."""
-    scale = w.detach().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
-    q = torch.clamp(torch.round(w / scale), -127, 127) * scale
-    return w + (q - w).detach()
-
-
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Real int8 weights and their per-row fp32 scales: w ~= q * scale[:, None]."""
+    """Real int8 weights and their per-row fp32 scales: w ~= q * scale[:, None]
+    (symmetric, per output channel: the one definition of sonata's int8)."""
     scale = w.detach().float().abs().amax(dim=1).clamp(min=1e-12) / 127.0
     q = torch.clamp(torch.round(w.detach().float() / scale[:, None]), -127, 127).to(torch.int8)
     return q, scale
+
+
+def fake_quant_int8(w: torch.Tensor) -> torch.Tensor:
+    """w rounded through int8 (quantize_int8), with a straight-through gradient."""
+    q, scale = quantize_int8(w)
+    return w + (q.to(w.dtype) * scale.to(w.dtype)[:, None] - w).detach()
 
 
 class QLinear(nn.Linear):
