@@ -1,6 +1,8 @@
-"""Command line: python -m sonata train | generate.
+"""Command line: python -m sonata train | autotune | bench | generate.
 
     python -m sonata train [--out DIR] [--resume CHECKPOINT] [key=value ...]
+    python -m sonata autotune [--json] [key=value ...]
+    python -m sonata bench [--steps N] [--json] [key=value ...]
     python -m sonata generate CHECKPOINT [--prompt TEXT] [--n N] [--max-new-tokens N]
 
 A user mistake (unknown key, bad value, missing or corrupt file, empty corpus,
@@ -32,6 +34,16 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--resume", help="checkpoint to continue from")
     tr.add_argument("--progress", default=None, help="auto | bar | lines | none")
     tr.add_argument("overrides", nargs="*", help="config overrides as section.key=value")
+    at = sub.add_parser("autotune", help="measure the profile's candidate micro-batches, print the table")
+    at.add_argument("--json", action="store_true", help="print the result as JSON")
+    at.add_argument("--progress", default=None, help="auto | bar | lines | none")
+    at.add_argument("overrides", nargs="*", help="config overrides as section.key=value")
+    be = sub.add_parser("bench", help="measure tokens/s twice with its validity checks; VALID or INVALID")
+    be.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 24)")
+    be.add_argument("--warmup", type=int, default=None, help="steps excluded from timing (default 3)")
+    be.add_argument("--window", type=int, default=None, help="steps per timing window (default 5)")
+    be.add_argument("--json", action="store_true", help="print the record as JSON")
+    be.add_argument("overrides", nargs="*", help="config overrides as section.key=value")
     ge = sub.add_parser("generate", help="sample stories from a checkpoint")
     ge.add_argument("checkpoint")
     ge.add_argument("--prompt", default="Once upon a time")
@@ -65,6 +77,56 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_autotune(args) -> int:
+    from sonata.autotune import AutotuneResult
+    from sonata.config import make_config
+    from sonata.plots import table
+    from sonata.trainer import Trainer
+
+    cfg = make_config(args.overrides)
+    trainer = Trainer(cfg, None, progress=args.progress)
+    res = trainer.apply_autotune() if not cfg.train.fixed_micro_batch else None
+    if res is None:
+        raise SonataError("train.fixed_micro_batch is set: there is nothing to autotune")
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    p = trainer.profile
+    print(f"profile {p.name}: budget {p.memory_budget_mb:,} MiB ({p.budget_source}), "
+          f"max micro-batch {p.max_micro_batch}, effective batch {res['effective_batch']}, "
+          f"precision {cfg.train.precision}, device {trainer.device}, threads {torch_threads()}")
+    r = AutotuneResult(**res)
+    print(repr(table(r.rows())))
+    print(f"chosen: micro-batch {r.micro_batch} x accumulation {r.accumulation} = "
+          f"{r.effective_batch} ({r.reason}); measured in {r.wall_s:.1f} s")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from sonata import bench
+    from sonata.plots import table
+
+    steps = bench.DEFAULT_STEPS if args.steps is None else args.steps
+    warmup = bench.DEFAULT_WARMUP if args.warmup is None else args.warmup
+    window = bench.DEFAULT_WINDOW if args.window is None else args.window
+    if steps < 1 or warmup < 0 or window < 1:
+        raise SonataError("--steps and --window must be >= 1 and --warmup >= 0")
+    rec = bench.run_bench(args.overrides, steps=steps, warmup=warmup, window=window)
+    if args.json:
+        print(json.dumps(rec.to_dict(runs=False)))
+        return 0
+    print(f"{rec.hardware}; device {rec.device}, {rec.threads} threads, precision {rec.precision}, "
+          f"backend {rec.backend}, micro-batch {rec.micro_batch} x {rec.accumulation}")
+    print(repr(table([rec.summary_row()])))
+    print(f"verdict: {rec.verdict}" + "".join(f"\n  - {r}" for r in rec.reasons))
+    return 0
+
+
+def torch_threads() -> int:
+    import torch
+    return torch.get_num_threads()
+
+
 def cmd_generate(args) -> int:
     from sonata.trainer import generate_text, load_model
 
@@ -79,8 +141,14 @@ def cmd_generate(args) -> int:
 
 def main(argv=None) -> int:
     try:
-        args = _parser().parse_args(argv)
-        return {"train": cmd_train, "generate": cmd_generate}[args.command](args)
+        args, extra = _parser().parse_known_args(argv)
+        # overrides may come after options (`--progress none train.lr=1e-3`)
+        if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+            args.overrides += extra
+        elif extra:
+            raise SonataError(f"unrecognized arguments: {' '.join(extra)}")
+        return {"train": cmd_train, "autotune": cmd_autotune, "bench": cmd_bench,
+                "generate": cmd_generate}[args.command](args)
     except TrainingInterrupted as e:
         print(f"error: {e}", file=sys.stderr)
         return 128 + e.signum

@@ -55,15 +55,17 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 1000
-    micro_batch: int = 16
-    effective_batch: int = 16   # micro_batch x accumulation steps
+    micro_batch: int = 0        # sequences per forward/backward; 0: the profile's choice
+    effective_batch: int = 0    # sequences per optimizer step (micro x accumulation); 0: the profile's
+    autotune: bool = False      # measure the profile's candidate micro-batches first, train with the fastest that fits
+    fixed_micro_batch: int = 0  # N > 0: micro-batch N, no autotuner and no cap (peak micro-benchmarks)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     seed: int = 0
-    precision: str = "fp32"     # fp32 | fp16 (autocast + GradScaler) | bf16 (autocast) | int8 (fake-quant weights)
+    precision: str = "auto"     # auto (the profile's) | fp32 | fp16 (autocast + GradScaler) | bf16 (autocast) | int8 (fake-quant weights)
     decay_steps: int = 0        # cosine horizon; 0: train.max_steps (set it to extend a run exactly)
     max_nonfinite: int = 5      # consecutive non-finite steps (skipped) before training stops
     eval_every: int = 100       # 0: only at the end
@@ -79,10 +81,107 @@ class TrainConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """Which hardware profile caps the run, and overrides of its fields (0 / "": the preset's)."""
+    name: str = "auto"          # auto (by device) | cpu | laptop-8gb | h200
+    memory_budget_mb: int = 0   # the fuse: resident set (CPU) or device memory (CUDA) may not pass it
+    max_micro_batch: int = 0    # the cap on the micro-batch (train.fixed_micro_batch ignores it)
+    effective_batch: int = 0    # default for train.effective_batch
+    candidates: str = ""        # micro-batches the autotuner measures, e.g. "1,2,4,8"
+    precision: str = ""         # what train.precision=auto means under this profile
+
+
+@dataclass
+class DebugConfig:
+    """Switches for reproducing bugs. Never on by default; every metrics row names them when on."""
+    leak: str = "none"          # none | keep_graph (each step's loss kept with its graph) | keep_activations
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What a machine may do: the resolved form of a preset plus `profile.*` overrides."""
+    name: str
+    memory_budget_mb: int
+    max_micro_batch: int
+    effective_batch: int
+    candidates: tuple
+    precision: str
+    budget_source: str = "preset"   # preset | override | "50% of available RAM" ...
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        return self.memory_budget_mb * 2**20
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+DEFAULT_CANDIDATES = (1, 2, 4, 6, 8, 12, 16, 24, 32)
+CPU_BUDGET_FRACTION = 0.5   # the cpu preset's budget: this fraction of the RAM available at start
+
+# memory_budget_mb 0 in a preset: computed from the machine (see resolve_profile).
+PRESETS = {
+    "cpu": dict(memory_budget_mb=0, max_micro_batch=32, effective_batch=16,
+                candidates=DEFAULT_CANDIDATES, precision="fp32"),
+    # the dossier's 8 GiB laptop GPU: 7 GiB for us, the rest for the display and the driver
+    "laptop-8gb": dict(memory_budget_mb=7 * 1024, max_micro_batch=8, effective_batch=16,
+                       candidates=DEFAULT_CANDIDATES, precision="fp16"),
+    "h200": dict(memory_budget_mb=128 * 1024, max_micro_batch=256, effective_batch=256,
+                 candidates=DEFAULT_CANDIDATES + (48, 64, 96, 128, 192, 256), precision="bf16"),
+}
+
+
+def resolve_profile(section: "ProfileConfig", device_type: str, available_bytes: int,
+                    device_total_bytes: int = 0) -> Profile:
+    """The Profile for this machine. `available_bytes`: RAM available now (CPU budget);
+    `device_total_bytes`: the GPU's memory (CUDA), which also picks the preset for `auto`."""
+    name = section.name
+    if name == "auto":
+        name = "cpu" if device_type != "cuda" else (
+            "h200" if device_total_bytes >= 64 * 2**30 else "laptop-8gb")
+    p = dict(PRESETS[name])
+    source = "preset"
+    if p["memory_budget_mb"] == 0:
+        p["memory_budget_mb"] = max(1, int(available_bytes * CPU_BUDGET_FRACTION) // 2**20)
+        source = f"{CPU_BUDGET_FRACTION:.0%} of the RAM available at start"
+    elif device_type == "cuda" and device_total_bytes:
+        cap = int(device_total_bytes * 0.95) // 2**20
+        if p["memory_budget_mb"] > cap:
+            p["memory_budget_mb"], source = cap, "95% of the device's memory"
+    if section.memory_budget_mb:
+        p["memory_budget_mb"], source = section.memory_budget_mb, "profile.memory_budget_mb"
+    if section.max_micro_batch:
+        p["max_micro_batch"] = section.max_micro_batch
+    if section.effective_batch:
+        p["effective_batch"] = section.effective_batch
+    if section.candidates:
+        p["candidates"] = parse_candidates(section.candidates)
+    if section.precision:
+        p["precision"] = section.precision
+    return Profile(name=name, budget_source=source, **p)
+
+
+def parse_candidates(text: str) -> tuple:
+    try:
+        vals = tuple(sorted({int(v) for v in text.replace(" ", "").split(",") if v}))
+    except ValueError:
+        raise ConfigError(f"bad value for profile.candidates: {text!r} is not a comma-separated "
+                          f"list of integers") from None
+    if not vals or min(vals) < 1:
+        raise ConfigError(f"bad value for profile.candidates: {text!r} (positive integers, e.g. 1,2,4,8)")
+    return vals
+
+
+LEAKS = ("none", "keep_graph", "keep_activations")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -115,9 +214,12 @@ class Config:
         _check(0 < d.val_fraction < 1, "data.val_fraction must be in (0, 1)")
         _check(d.max_stories >= 0, "data.max_stories must be >= 0")
         _check(t.max_steps >= 0, "train.max_steps must be >= 0")
-        _check(t.micro_batch > 0, "train.micro_batch must be positive")
-        _check(t.effective_batch > 0, "train.effective_batch must be positive")
-        _check(t.effective_batch % t.micro_batch == 0,
+        _check(t.micro_batch >= 0, "train.micro_batch must be >= 0 (0 = the profile's choice)")
+        _check(t.effective_batch >= 0, "train.effective_batch must be >= 0 (0 = the profile's)")
+        _check(t.fixed_micro_batch >= 0, "train.fixed_micro_batch must be >= 0 (0 = off)")
+        _check(not (t.micro_batch and t.fixed_micro_batch),
+               "set train.micro_batch or train.fixed_micro_batch, not both")
+        _check(not (t.micro_batch and t.effective_batch) or t.effective_batch % t.micro_batch == 0,
                f"train.effective_batch ({t.effective_batch}) must be a multiple of "
                f"train.micro_batch ({t.micro_batch})")
         _check(t.lr > 0 and math.isfinite(t.lr), "train.lr must be a positive number")
@@ -127,8 +229,19 @@ class Config:
         _check(t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 = off)")
         _check(m.a_param in ("log", "direct"), f"model.a_param must be log or direct, not {m.a_param!r}")
         _check(m.a_min > 0, "model.a_min must be positive")
-        _check(t.precision in PRECISIONS,
-               f"train.precision must be one of {', '.join(PRECISIONS)}, not {t.precision!r}")
+        _check(t.precision in ("auto",) + PRECISIONS,
+               f"train.precision must be auto or one of {', '.join(PRECISIONS)}, not {t.precision!r}")
+        p = self.profile
+        _check(p.name in ("auto",) + tuple(PRESETS),
+               f"profile.name must be auto or one of {', '.join(PRESETS)}, not {p.name!r}")
+        for k in ("memory_budget_mb", "max_micro_batch", "effective_batch"):
+            _check(getattr(p, k) >= 0, f"profile.{k} must be >= 0 (0 = the preset's)")
+        if p.candidates:
+            parse_candidates(p.candidates)
+        _check(p.precision in ("",) + PRECISIONS,
+               f"profile.precision must be one of {', '.join(PRECISIONS)}, not {p.precision!r}")
+        _check(self.debug.leak in LEAKS,
+               f"debug.leak must be one of {', '.join(LEAKS)}, not {self.debug.leak!r}")
         _check(t.decay_steps >= 0, "train.decay_steps must be >= 0 (0 = train.max_steps)")
         _check(t.max_nonfinite > 0, "train.max_nonfinite must be positive")
         for k in ("eval_every", "eval_tokens", "checkpoint_every", "threads"):
@@ -145,7 +258,7 @@ def _check(ok: bool, message: str) -> None:
 
 def _section(cfg: Config, name: str):
     if name not in {f.name for f in fields(cfg)}:
-        raise ConfigError(f"unknown config section {name!r} (sections: model, data, train)")
+        raise ConfigError(f"unknown config section {name!r} (sections: model, data, train, profile, debug)")
     return getattr(cfg, name)
 
 
@@ -209,5 +322,6 @@ def make_config(overrides=()) -> Config:
     return apply_overrides(Config(), overrides)
 
 
-__all__ = ["Config", "ModelConfig", "DataConfig", "TrainConfig", "apply_overrides",
+__all__ = ["Config", "ModelConfig", "DataConfig", "TrainConfig", "ProfileConfig", "DebugConfig",
+           "Profile", "PRESETS", "resolve_profile", "apply_overrides",
            "make_config", "set_value", "ConfigError"]

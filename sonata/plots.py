@@ -97,3 +97,42 @@ def scan_times(rows: list[dict], title: str = "selective scan"):
     ax.legend()
     fig.tight_layout()
     return fig
+
+
+def autotune_curve(result: dict, title: str = "micro-batch autotuning"):
+    """Tokens/s (line) and peak memory (bars) per candidate micro-batch; the cap and
+    the budget as dashed lines, the choice circled (notebook 02)."""
+    rows = [c for c in result["table"]]
+    mbs = [c["micro_batch"] for c in rows]
+    xs = list(range(len(mbs)))
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    mem = ax.twinx()
+    peaks = [(c["peak_mem_bytes"] or 0) / 2**20 for c in rows]
+    mem.bar(xs, peaks, color=["tab:gray" if c["fits"] else "tab:red" for c in rows], alpha=0.3,
+            width=0.6, label="peak memory (MiB)")
+    mem.set_ylabel("peak memory (MiB)")
+    if result.get("budget_bytes") and result["budget_bytes"] / 2**20 < 1.5 * max(peaks + [1]):
+        mem.axhline(result["budget_bytes"] / 2**20, color="tab:red", ls=":", lw=1, label="budget")
+    measured = [(x, c["tok_per_s"]) for x, c in zip(xs, rows) if c["tok_per_s"]]
+    ax.plot(*zip(*measured), "o-", color="tab:blue", label="tokens/s")
+    ax.set_zorder(mem.get_zorder() + 1)
+    ax.patch.set_visible(False)
+    cap = result["profile"]["max_micro_batch"]
+    inside = [x for x, m in zip(xs, mbs) if m <= cap]
+    if inside and len(inside) < len(xs):
+        ax.axvline(inside[-1] + 0.5, color="k", ls="--", lw=1)
+        ax.text(inside[-1] + 0.55, ax.get_ylim()[1] * 0.97, f"cap {cap}", va="top", fontsize=9)
+    if result.get("micro_batch"):
+        x = mbs.index(result["micro_batch"])
+        ax.plot([x], [rows[x]["tok_per_s"]], "o", ms=14, mfc="none", mec="tab:green", mew=2,
+                label="chosen")
+    ax.set_xticks(xs, [str(m) for m in mbs])
+    ax.set_xlabel("micro-batch (sequences)")
+    ax.set_ylabel("training tokens/s")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = mem.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="lower right", fontsize=8)
+    fig.tight_layout()
+    return fig

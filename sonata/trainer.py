@@ -14,6 +14,19 @@ real int8 export evaluated beside the fp32 weights). A NaN/Inf loss or gradient 
 the update; `max_nonfinite` in a row stops training with the last good state saved.
 SIGINT/SIGTERM stop between steps with an emergency checkpoint, so a checkpoint never
 holds a half-applied step.
+
+Profile and batch. The Profile (sonata.config) caps the run: `train.micro_batch=0`
+takes the largest profile candidate within the cap that divides the effective batch;
+`train.autotune=true` measures the candidates first (sonata.autotune) and trains with
+the fastest that fits; `train.fixed_micro_batch=N` skips both the tuner and the cap
+(a warning says so). The MemoryGuard (sonata.memory) checks before and after every
+step; when it trips, the last good state is checkpointed and `MemoryBudgetExceeded`
+is raised. The leak detector follows the memory after each step and warns once.
+
+`debug.leak` reproduces two classic leaks on purpose (notebook 03): `keep_graph`
+keeps every step's loss with its autograd graph (the backward retains the graph, so
+its saved activations stay alive), `keep_activations` keeps each micro-step's
+logits and block outputs. Off by default; every metrics row names it when on.
 """
 from __future__ import annotations
 
@@ -37,7 +50,12 @@ from sonata import checkpoint as ckpt
 from sonata import kernels
 from sonata.config import Config
 from sonata.data import BatchSampler, Corpus, Vocab, build_corpus, d2h, h2d, val_batches
+from sonata.config import resolve_profile
 from sonata.errors import CheckpointError, ConfigError, TrainingDiverged, TrainingInterrupted
+from sonata.memory import (LeakDetector, MemoryBudgetExceeded, MemoryGuard, available_ram_bytes,
+                           current_bytes, device_total_bytes, is_out_of_memory,
+                           release_free_memory)
+from sonata.kernels.timing import sync
 from sonata.model import MambaLM, param_groups
 from sonata.progress import Progress
 
@@ -157,6 +175,36 @@ def check_precision(precision: str, device: torch.device) -> None:
                               f"{str(e).splitlines()[0]}") from None
 
 
+def plan_batch(t, profile) -> tuple[int, int, str]:
+    """(micro_batch, effective_batch, how) before any autotuning, from train.* and the
+    profile. Raises ConfigError for a micro-batch above the cap."""
+    eff = t.effective_batch or profile.effective_batch
+    if t.fixed_micro_batch:
+        n = t.fixed_micro_batch
+        if eff % n:
+            how = (f"fixed by train.fixed_micro_batch={n}: the autotuner and the profile cap "
+                   f"({profile.max_micro_batch}) are off; effective batch {n}, not {eff}, "
+                   f"which is not a multiple of {n}")
+            eff = n
+        else:
+            how = (f"fixed by train.fixed_micro_batch={n}: the autotuner and the profile cap "
+                   f"({profile.max_micro_batch}) are off; accumulation {eff // n}")
+        return n, eff, how
+    if t.micro_batch:
+        if t.micro_batch > profile.max_micro_batch:
+            raise ConfigError(
+                f"train.micro_batch={t.micro_batch} is above profile {profile.name}'s cap of "
+                f"{profile.max_micro_batch}; raise profile.max_micro_batch, or use "
+                f"train.fixed_micro_batch={t.micro_batch} for a peak micro-benchmark")
+        if eff % t.micro_batch:
+            raise ConfigError(f"train.effective_batch ({eff}) must be a multiple of "
+                              f"train.micro_batch ({t.micro_batch})")
+        return t.micro_batch, eff, "train.micro_batch"
+    fitting = [c for c in profile.candidates if c <= profile.max_micro_batch and eff % c == 0]
+    mb = max(fitting) if fitting else 1
+    return mb, eff, f"largest candidate within profile {profile.name}'s cap that divides {eff}"
+
+
 class Trainer:
     """trainer = Trainer(cfg, out_dir); trainer.run() -> summary dict."""
 
@@ -166,7 +214,24 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         self.device = resolve_device(t.device)
+        self.profile = resolve_profile(cfg.profile, self.device.type, available_ram_bytes(),
+                                       device_total_bytes(self.device))
+        if t.precision == "auto":
+            t.precision = self.profile.precision
         check_precision(t.precision, self.device)
+        t.micro_batch, t.effective_batch, self.batch_how = plan_batch(t, self.profile)
+        if t.fixed_micro_batch:
+            warnings.warn(f"sonata: micro-batch {self.batch_how}", UserWarning, stacklevel=2)
+            if t.autotune:
+                warnings.warn("sonata: train.autotune is ignored: train.fixed_micro_batch is set",
+                              UserWarning, stacklevel=2)
+        self.autotune_result: dict | None = None
+        self.guard = MemoryGuard(self.profile.memory_budget_bytes, self.device,
+                                 what=("profile.memory_budget_mb" if cfg.profile.memory_budget_mb else
+                                       f"profile {self.profile.name}: {self.profile.budget_source}; "
+                                       f"set profile.memory_budget_mb"))
+        self.leak = LeakDetector()
+        self._leaked: list = []          # debug.leak only
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.progress_mode = progress
         vocab = Vocab.from_state_dict(state["vocab"]) if state else None
@@ -197,7 +262,8 @@ class Trainer:
                 "step": self.step, "micro_step": self.step * self.cfg.train.accumulation,
                 "tokens": self.tokens, "counters": dict(self.counters),
                 "sampler": self.sampler.state_dict(), "rng": rng_state(),
-                "vocab": self.corpus.vocab.state_dict(), "config": self.cfg.to_dict()}
+                "vocab": self.corpus.vocab.state_dict(), "config": self.cfg.to_dict(),
+                "profile": self.profile.to_dict(), "autotune": self.autotune_result}
 
     def _load_state(self, state: dict) -> None:
         try:
@@ -208,6 +274,9 @@ class Trainer:
             self.sampler.load_state_dict(state["sampler"])
             self.step, self.tokens = int(state["step"]), int(state["tokens"])
             self.counters.update(state.get("counters", {}))
+            self.autotune_result = state.get("autotune")
+            if self.autotune_result:
+                self.batch_how = "autotuned before step 1 (recorded in the checkpoint)"
             set_rng_state(state["rng"])
         except (KeyError, RuntimeError, ValueError, TypeError) as e:
             raise CheckpointError(f"checkpoint does not match this configuration: {str(e).splitlines()[0][:200]}") from None
@@ -229,6 +298,7 @@ class Trainer:
         """One optimizer step; a non-finite loss or gradient skips the update (counted)."""
         t, model = self.cfg.train, self.model
         mb, acc = t.micro_batch, t.accumulation
+        sync(self.device)
         t0 = time.perf_counter()
         model.train()
         x, y = self.sampler.draw(t.effective_batch)                     # (eb, L) each
@@ -239,8 +309,13 @@ class Trainer:
             with autocast_for(t.precision, self.device):
                 logits = model(xb)                                      # (mb, L, V)
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), yb.reshape(-1))
-            self.scaler.scale(loss / acc).backward()
+            leak = self.cfg.debug.leak
+            self.scaler.scale(loss / acc).backward(retain_graph=leak == "keep_graph")
             loss_sum += loss.detach()
+            if leak == "keep_graph":            # the bug, on purpose: the graph stays alive
+                self._leaked.append(loss)
+            elif leak == "keep_activations":
+                self._leaked.append(logits.detach())
         self.scaler.unscale_(self.optimizer)
         clip = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -270,13 +345,39 @@ class Trainer:
             if skipped == "scaler":
                 self.counters["scaler_skipped_steps"] += 1
         self.optimizer.zero_grad(set_to_none=True)
+        sync(self.device)                       # the clock is read only once the device is done
         dt = time.perf_counter() - t0
         n_tok = t.effective_batch * self.cfg.data.seq_len
         self.step += 1
         self.tokens += n_tok
-        return {"step": self.step, "loss": loss_val, "lr": lr, "tokens": self.tokens,
-                "tok_per_s": n_tok / dt, "step_s": dt, "grad_norm": gnorm,
-                "skipped": skipped, "fallbacks": kernels.fallback_count()}
+        row = {"step": self.step, "loss": loss_val, "lr": lr, "tokens": self.tokens,
+               "tok_per_s": n_tok / dt, "step_s": dt, "grad_norm": gnorm,
+               "skipped": skipped, "fallbacks": kernels.fallback_count()}
+        if self.cfg.debug.leak != "none":
+            row["debug_leak"] = self.cfg.debug.leak
+        return row
+
+    # ------------------------------------------------------------------ batch
+    def apply_autotune(self, progress: str | None = None) -> dict:
+        """Measure the profile's candidates (state restored after) and train with the
+        choice. Raises SonataError when no candidate is eligible."""
+        from sonata.autotune import AutotuneResult, autotune
+        from sonata.errors import SonataError
+        bar = Progress(len(self.profile.candidates), "autotune",
+                       self.progress_mode if progress is None else progress)
+        try:
+            res = autotune(self, progress=bar)
+        finally:
+            bar.close()
+        self.autotune_result = res.to_dict()
+        if res.micro_batch is None:
+            raise SonataError(f"autotune: {res.reason}; raise profile.memory_budget_mb or use "
+                              f"train.fixed_micro_batch")
+        self.cfg.train.micro_batch = res.micro_batch
+        self.cfg.train.effective_batch = res.effective_batch
+        self.batch_how = f"autotuned: {res.reason}"
+        assert isinstance(res, AutotuneResult)
+        return self.autotune_result
 
     @torch.no_grad()
     def evaluate(self, max_tokens: int | None = None, model: MambaLM | None = None) -> EvalResult:
@@ -323,25 +424,57 @@ class Trainer:
             f.write(line + "\n")
         return f
 
-    def _emergency(self, reason: str) -> None:
+    def _emergency(self, reason: str) -> Path | None:
         self.emergency_reason = reason
         if self.out_dir:
-            self.save_checkpoint()
+            return self.save_checkpoint()
+        return None
+
+    def _guarded_step(self) -> dict:
+        """train_step between the guard's two checks; an allocation failure inside the
+        step becomes MemoryBudgetExceeded (the gradients of the failed step are dropped)."""
+        self.guard.check_before_step(self.step)
+        try:
+            row = self.train_step()
+        except Exception as e:
+            self.guard.abort_step()
+            if not is_out_of_memory(e):
+                raise
+            self.optimizer.zero_grad(set_to_none=True)
+            self._leaked.clear()
+            raise self.guard.out_of_memory(self.step, e) from None
+        row["mem_bytes"] = self.guard.after_step(self.step)
+        row["step_peak_bytes"] = self.guard.peak_last
+        return row
+
+    def _memory_tripped(self, e: MemoryBudgetExceeded) -> MemoryBudgetExceeded:
+        self._leaked.clear()                          # a debug leak must not reach the checkpoint
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        path = self._emergency("memory")
+        where = (f"; the last good state (step {self.step}) is in {path}; resume with --resume "
+                 f"{path} and a larger profile.memory_budget_mb" if path else
+                 f"; no checkpoint written (no output folder)")
+        return MemoryBudgetExceeded(str(e) + where, e.budget_bytes, e.used_bytes)
 
     def run(self, on_step=None) -> dict:
         """Train to train.max_steps. `on_step(trainer, row)` may add fields to each row."""
         t = self.cfg.train
         metrics = self._open_metrics() if self.out_dir else None
         kernels.reset_fallback_count()
+        release_free_memory(self.device)
         h2d_start, d2h_start = h2d.bytes, d2h.bytes
         t_start = time.perf_counter()
         measured_tokens, measured_s, done_here = 0, 0.0, 0
         last_eval: EvalResult | None = None
+        if t.autotune and not t.fixed_micro_batch and self.autotune_result is None:
+            self.apply_autotune()
         bar = Progress(t.max_steps - self.step, "train", self.progress_mode)
+        leak_warned = False
         try:
             with _StopSignal() as stop:
                 while self.step < t.max_steps:
-                    row = self.train_step()
+                    row = self._guarded_step()
                     row["h2d_bytes"], row["d2h_bytes"] = h2d.bytes - h2d_start, d2h.bytes - d2h_start
                     h2d_start, d2h_start = h2d.bytes, d2h.bytes
                     done_here += 1
@@ -350,6 +483,13 @@ class Trainer:
                         measured_s += row["step_s"]
                     row["nonfinite_steps"] = self.counters["nonfinite_steps"]
                     row["peak_mem_bytes"] = peak_memory_bytes(self.device)
+                    self.leak.record(row["mem_bytes"])
+                    if self.leak.enough:
+                        row["mem_slope_bytes_per_step"] = self.leak.slope()
+                        if not leak_warned and self.leak.leaking():
+                            leak_warned = True
+                            warnings.warn(f"sonata: {self.leak.message()} (step {self.step})",
+                                          RuntimeWarning, stacklevel=2)
                     if on_step is not None:
                         on_step(self, row)
                     final = self.step == t.max_steps
@@ -380,6 +520,8 @@ class Trainer:
                             f"stopped by {signal.Signals(stop.signum).name} after step {self.step}; "
                             f"resume with --resume {self.out_dir / 'checkpoint.pt' if self.out_dir else '?'}",
                             stop.signum)
+        except MemoryBudgetExceeded as e:
+            raise self._memory_tripped(e) from None
         except KeyboardInterrupt:
             # a second Ctrl-C mid-step: the step may be half-applied, so keep the last
             # periodic checkpoint rather than writing this state over it
@@ -408,6 +550,13 @@ class Trainer:
             "d2h_bytes_in_steps": sum(r["d2h_bytes"] for r in self.history),
             "host_offload_bytes": 0,     # nothing is offloaded to host memory in this trainer
             "precision": t.precision,
+            "micro_batch": t.micro_batch, "accumulation": t.accumulation,
+            "effective_batch": t.effective_batch, "batch_how": self.batch_how,
+            "profile": self.profile.to_dict(),
+            "memory_budget_bytes": self.guard.budget, "guard_peak_bytes": self.guard.peak,
+            **self.leak.report(),
+            "debug_leak": self.cfg.debug.leak,
+            "autotune": self.autotune_result,
             **self.counters,
             "data": self.corpus.summary(),
         }

@@ -26,7 +26,8 @@ def test_overrides_are_parsed_by_field_type():
     ("train.lr=fast", "not a number"),
     ("model.d_model=0", "model.d_model must be positive"),
     ("model.backend=gpu", "model.backend must be"),
-    ("train.micro_batch=3", "multiple of train.micro_batch"),
+    ("train.micro_batch=-1", "train.micro_batch must be >= 0"),
+    ("train.precision=fp8", "train.precision must be auto or one of"),
     ("d_model=3", "section.name"),
     ("model.d_model", "key=value"),
 ])
@@ -34,6 +35,13 @@ def test_bad_overrides_name_the_problem(override, fragment):
     with pytest.raises(ConfigError, match=None) as e:
         apply_overrides(Config(), [override])
     assert fragment in str(e.value)
+
+
+def test_effective_batch_must_be_a_multiple_of_the_micro_batch():
+    with pytest.raises(ConfigError, match="multiple of train.micro_batch"):
+        make_config(["train.effective_batch=16", "train.micro_batch=3"])
+    with pytest.raises(ConfigError, match="not both"):
+        make_config(["train.fixed_micro_batch=8", "train.micro_batch=4"])
 
 
 def test_round_trip_through_dict():

@@ -16,6 +16,9 @@ TINY = {
         d_model=32, n_layers=1, d_state=4, vocab_size=300, seq_len=32, max_steps=8,
         micro_batch=4, effective_batch=8, eval_every=4, max_stories=60, n_samples=2,
         sample_tokens=12, warmup_steps=2),
+    "02_autotuning.ipynb": dict(
+        candidates="1,2,4,8", effective_batch=4, sustained_steps=6, peak_micro=8, peak_steps=4,
+        eval_every=3, d_model=32, n_layers=1, d_state=4, seq_len=32, max_stories=60),
     "05_contracting_dynamics.ipynb": dict(
         lrs=[0.01, 1.0], max_steps=12, micro_batch=4, seq_len=32, d_model=32, n_layers=1, d_state=4,
         max_stories=60),
@@ -81,3 +84,16 @@ def test_notebook_05_finds_divergence_and_the_fixes(tmp_path):
     assert "direct + constraint at lr 1.0: stayed finite" in text
     assert "log (A_log) at lr 1.0: stayed finite" in text
     assert text.count("(never above 1: no direction of the state grows)") == 2
+
+
+@pytest.mark.notebook
+def test_notebook_02_autotunes_and_compares_sustained_with_peak(tmp_path):
+    nb, text = _run("02_autotuning.ipynb", tmp_path)
+    assert "chosen: micro-batch " in text and "x accumulation" in text
+    assert "the trainer is back at step 0" in text
+    assert "MemoryBudgetExceeded after 0 steps: budget 64 MiB, in use above it: True" in text
+    html = "\n".join("".join(o.get("data", {}).get("text/html", "")) for c in nb["cells"]
+                     if c["cell_type"] == "code" for o in c.get("outputs", []))
+    assert "sustained (profile default)" in html and "peak micro-benchmark (fixed micro-batch 8)" in html
+    assert html.count("<- chosen") == 1
+    assert any("image/png" in o.get("data", {}) for c in nb["cells"] for o in c.get("outputs", []))

@@ -1,0 +1,252 @@
+"""Profiles, the autotuner, the MemoryGuard and the leak detector (issue 5)."""
+import json
+import warnings
+
+import pytest
+import torch
+
+from conftest import tiny_overrides
+from sonata import autotune as autotune_mod
+from sonata import checkpoint as ckpt
+from sonata.config import PRESETS, Config, ProfileConfig, make_config, resolve_profile
+from sonata.errors import ConfigError
+from sonata.memory import LeakDetector, MemoryBudgetExceeded, MemoryGuard, rss_bytes, theil_sen_slope
+from sonata.trainer import Trainer, load_model, plan_batch
+from test_train import _assert_one_error_line, run_cli
+
+GiB = 2**30
+
+
+# ---------------------------------------------------------------- profiles
+def test_presets_and_overrides():
+    cpu = resolve_profile(ProfileConfig(), "cpu", available_bytes=20 * GiB)
+    assert cpu.name == "cpu" and cpu.memory_budget_mb == 10 * 1024 and cpu.precision == "fp32"
+    lap = resolve_profile(ProfileConfig(name="laptop-8gb"), "cpu", 20 * GiB)
+    assert (lap.max_micro_batch, lap.effective_batch, lap.memory_budget_mb) == (8, 16, 7 * 1024)
+    assert resolve_profile(ProfileConfig(), "cuda", 0, device_total_bytes=8 * GiB).name == "laptop-8gb"
+    h = resolve_profile(ProfileConfig(), "cuda", 0, device_total_bytes=141 * GiB)
+    assert h.name == "h200" and h.memory_budget_mb == PRESETS["h200"]["memory_budget_mb"]
+    small = resolve_profile(ProfileConfig(name="h200"), "cuda", 0, device_total_bytes=16 * GiB)
+    assert small.memory_budget_mb == int(16 * GiB * 0.95) // 2**20      # never above the device
+    o = resolve_profile(ProfileConfig(name="laptop-8gb", memory_budget_mb=100, max_micro_batch=4,
+                                      candidates="4, 1,2"), "cpu", 20 * GiB)
+    assert (o.memory_budget_mb, o.max_micro_batch, o.candidates) == (100, 4, (1, 2, 4))
+    assert o.budget_source == "profile.memory_budget_mb"
+
+
+@pytest.mark.parametrize("override, words", [
+    ("profile.name=tpu", "profile.name must be"),
+    ("profile.candidates=1,x", "profile.candidates"),
+    ("profile.memory_budget_mb=-5", "profile.memory_budget_mb"),
+    ("debug.leak=sometimes", "debug.leak must be"),
+    ("profile.nmae=cpu", "unknown config key 'profile.nmae'"),
+])
+def test_bad_profile_values_are_config_errors(override, words):
+    with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
+        make_config([override])
+
+
+def test_batch_plan_respects_the_cap_and_the_override():
+    p = resolve_profile(ProfileConfig(name="laptop-8gb"), "cpu", 20 * GiB)
+    t = make_config([]).train
+    assert plan_batch(t, p)[:2] == (8, 16)                  # the dossier's 8 x 2
+    t = make_config(["train.micro_batch=16"]).train
+    with pytest.raises(ConfigError, match="above profile laptop-8gb's cap of 8.*fixed_micro_batch"):
+        plan_batch(t, p)
+    t = make_config(["train.micro_batch=3"]).train           # 3 does not divide the profile's 16
+    with pytest.raises(ConfigError, match=r"effective_batch \(16\) must be a multiple"):
+        plan_batch(t, resolve_profile(ProfileConfig(), "cpu", 20 * GiB))
+    t = make_config(["train.fixed_micro_batch=32"]).train
+    mb, eff, how = plan_batch(t, p)
+    assert (mb, eff) == (32, 32) and "cap" in how and "not a multiple" in how
+    t = make_config(["train.fixed_micro_batch=4"]).train
+    assert plan_batch(t, p)[:2] == (4, 16)
+
+
+def test_fixed_micro_batch_warns_and_skips_the_cap():
+    cfg = make_config(tiny_overrides(**{"train.micro_batch": 0, "train.effective_batch": 4,
+                                        "train.fixed_micro_batch": 8, "profile.max_micro_batch": 2,
+                                        "train.max_steps": 2}))
+    with pytest.warns(UserWarning, match="fixed by train.fixed_micro_batch=8"):
+        tr = Trainer(cfg, None, progress="none")
+    assert (cfg.train.micro_batch, cfg.train.effective_batch) == (8, 8)
+    s = tr.run()
+    assert s["micro_batch"] == 8 and s["tokens"] == 2 * 8 * 32
+
+
+# ---------------------------------------------------------------- autotuner
+class _FakePeak:
+    """PeakSampler stand-in: the peak is 100 MiB per sequence of the running micro-batch."""
+    trainer = None
+
+    def __init__(self, device, interval=0.0):
+        self.peak = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.peak = 100 * 2**20 * _FakePeak.trainer.cfg.train.micro_batch
+        return False
+
+
+def test_autotuner_respects_cap_budget_and_divisibility(monkeypatch):
+    cfg = make_config(tiny_overrides(**{"train.micro_batch": 0, "train.effective_batch": 12,
+                                        "profile.candidates": "1,2,3,4,6,8,12",
+                                        "profile.max_micro_batch": 8,
+                                        "profile.memory_budget_mb": 450}))
+    tr = Trainer(cfg, None, progress="none")
+    _FakePeak.trainer = tr
+    monkeypatch.setattr(autotune_mod, "PeakSampler", _FakePeak)
+    res = autotune_mod.autotune(tr, warmup=0, steps=1)
+    rows = {c["micro_batch"]: c for c in res.table}
+    assert [m for m, c in rows.items() if c["status"] == "measured"] == [1, 2, 3, 4]
+    assert rows[6]["status"] == "skipped" and "predicted" in rows[6]["note"]   # 600 MiB > 450
+    assert all(not rows[m]["eligible"] for m in (6, 8, 12))
+    assert rows[4]["fits"] and rows[4]["divides"]
+    assert res.micro_batch in (1, 2, 3, 4)
+    assert res.micro_batch * res.accumulation == 12
+    best = max((c for c in res.table if c["eligible"]), key=lambda c: c["tok_per_s"])
+    assert res.micro_batch == best["micro_batch"]
+    # the trainer was left as it was
+    assert tr.step == 0 and tr.tokens == 0 and cfg.train.micro_batch == 6   # plan: 6 divides 12
+
+
+def test_autotuner_marks_out_of_memory_by_type(monkeypatch):
+    cfg = make_config(tiny_overrides(**{"train.micro_batch": 0, "train.effective_batch": 8,
+                                        "profile.candidates": "1,2,4,8"}))
+    tr = Trainer(cfg, None, progress="none")
+    real = tr.train_step
+
+    def step():
+        if tr.cfg.train.micro_batch >= 4:
+            raise torch.OutOfMemoryError("simulated: tried to allocate 1 GiB")
+        return real()
+    monkeypatch.setattr(tr, "train_step", step)
+    res = autotune_mod.autotune(tr, warmup=0, steps=1)
+    rows = {c["micro_batch"]: c for c in res.table}
+    assert rows[4]["status"] == "oom" and not rows[4]["fits"]
+    assert rows[8]["status"] in ("oom", "skipped") and not rows[8]["eligible"]
+    assert res.micro_batch in (1, 2)
+
+
+def test_training_after_autotune_is_bit_identical_to_the_fixed_choice(tmp_path):
+    common = {"train.effective_batch": 8, "train.max_steps": 5, "profile.candidates": "2,4,8"}
+    cfg = make_config(tiny_overrides(**{**common, "train.micro_batch": 0, "train.autotune": "true"}))
+    a = Trainer(cfg, tmp_path / "a", progress="none")
+    sa = a.run()
+    chosen = sa["autotune"]["micro_batch"]
+    assert sa["micro_batch"] == chosen and chosen * sa["accumulation"] == 8
+    assert len(sa["autotune"]["table"]) == 3 and "autotuned" in sa["batch_how"]
+    b = Trainer(make_config(tiny_overrides(**{**common, "train.micro_batch": chosen})), None,
+                progress="none")
+    b.run()
+    assert [r["loss"] for r in a.history] == [r["loss"] for r in b.history]
+    for (n, p), q in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+        assert torch.equal(p, q), n
+    # the choice and the table travel in the checkpoint and the summary
+    state = ckpt.load(tmp_path / "a" / "checkpoint.pt")
+    assert state["autotune"]["micro_batch"] == chosen
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["autotune"]["micro_batch"] == chosen
+
+
+def test_cli_autotune_prints_the_table():
+    r = run_cli("autotune", "--progress", "none", *tiny_overrides(**{
+        "train.micro_batch": 0, "train.effective_batch": 4, "profile.candidates": "1,2,4,8",
+        "profile.max_micro_batch": 4}))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("profile cpu: budget") and "max micro-batch 4" in lines[0]
+    assert sum(1 for line in lines if line.split()[:1] in (["1"], ["2"], ["4"], ["8"])) == 4
+    assert "above the cap 4" in r.stdout and "<- chosen" in r.stdout
+    assert "chosen: micro-batch" in lines[-1]
+
+
+# ---------------------------------------------------------------- the guard
+def test_guard_trips_before_a_step_that_cannot_fit():
+    g = MemoryGuard(rss_bytes() // 2, torch.device("cpu"))
+    with pytest.raises(MemoryBudgetExceeded, match="over the budget of .* MiB"):
+        g.check_before_step(0)
+    roomy = MemoryGuard(rss_bytes() + 64 * 2**20, torch.device("cpu"))
+    roomy.check_before_step(0)
+    x = torch.ones(96 * 2**20 // 4)          # the step grows by 96 MiB: past the budget
+    x += 1
+    with pytest.raises(MemoryBudgetExceeded, match="peaked at"):
+        roomy.after_step(1)
+    del x
+
+
+def test_guard_trip_checkpoints_the_last_good_state_and_it_resumes(tmp_path):
+    cfg = make_config(tiny_overrides(**{"train.max_steps": 8, "train.decay_steps": 8}))
+    tr = Trainer(cfg, tmp_path, progress="none")
+    real = tr.guard.check_before_step
+
+    def check(step, hint=""):
+        if step == 3:                         # deterministic: the budget drops below use at step 4
+            tr.guard.budget = 1
+        real(step, hint)
+    tr.guard.check_before_step = check
+    with pytest.raises(MemoryBudgetExceeded) as ei:
+        tr.run()
+    msg = str(ei.value)
+    assert "memory budget" in msg and "the last good state (step 3)" in msg and "\n" not in msg
+    state = ckpt.load(tmp_path / "checkpoint.pt")
+    assert state["step"] == 3
+    resumed = Trainer(Config.from_dict(state["config"]), tmp_path, state=state, progress="none")
+    resumed.cfg.train.max_steps = 5
+    s = resumed.run()
+    assert s["steps"] == 5
+    full = Trainer(make_config(tiny_overrides(**{"train.max_steps": 8, "train.decay_steps": 8})), None,
+                   progress="none")
+    for _ in range(5):
+        full.train_step()
+    for p, q in zip(resumed.model.parameters(), full.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_cli_memory_budget_of_1_mb_exits_2_and_leaves_a_loadable_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    r = run_cli("train", "--out", str(out), "--progress", "none",
+                *tiny_overrides(**{"profile.memory_budget_mb": 1}))
+    assert r.returncode == 2
+    _assert_one_error_line(r, "memory budget exceeded")
+    assert "1.0 MiB" in r.stderr and "profile.memory_budget_mb" in r.stderr
+    model, vocab, cfg = load_model(out / "checkpoint.pt")
+    assert cfg.profile.memory_budget_mb == 1 and len(vocab) == 300
+    r = run_cli("train", "--resume", str(out / "checkpoint.pt"), "--progress", "none",
+                "profile.memory_budget_mb=0", "train.max_steps=2")
+    assert r.returncode == 0, r.stderr
+
+
+# ---------------------------------------------------------------- leak detector
+def test_leak_detector_flags_a_synthetic_leak_and_passes_flat_noise():
+    leaky, clean = LeakDetector(), LeakDetector()
+    g = torch.Generator().manual_seed(0)
+    for i in range(30):
+        noise = int(torch.randint(-2**20, 2**20, (1,), generator=g))
+        leaky.record(500 * 2**20 + i * 2**20 + noise // 8)
+        jump = 3 * 2**20 if i >= 17 else 0      # one allocator jump, as real runs show
+        clean.record(600 * 2**20 + jump + noise // 64)
+    assert leaky.leaking() and leaky.slope() == pytest.approx(2**20, rel=0.1)
+    assert "per step" in leaky.message()
+    assert not clean.leaking() and abs(clean.slope()) < 64 * 1024
+    assert theil_sen_slope([0, 10, 20, 1000, 40]) == pytest.approx(10)
+
+
+def test_trainer_reports_a_real_leak_and_a_clean_run():
+    base = tiny_overrides(**{"model.d_model": 64, "data.seq_len": 64, "train.micro_batch": 8,
+                             "train.effective_batch": 8, "train.max_steps": 22})
+    reports = {}
+    for leak in ("none", "keep_graph"):
+        cfg = make_config(base + [f"debug.leak={leak}"])
+        tr = Trainer(cfg, None, progress="none")
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            s = tr.run()
+        reports[leak] = (s, [str(x.message) for x in w], tr.history)
+    s, msgs, hist = reports["keep_graph"]
+    assert s["leak"] and s["mem_slope_bytes_per_step"] > 1 * 2**20
+    assert any("a leak" in m for m in msgs) and all(r["debug_leak"] == "keep_graph" for r in hist)
+    s, msgs, hist = reports["none"]
+    assert not s["leak"] and s["mem_slope_bytes_per_step"] < 256 * 1024
+    assert not any("a leak" in m for m in msgs) and "debug_leak" not in hist[0]
