@@ -8,8 +8,8 @@ Semantics are exactly those of `selective_scan_ref` (sonata/kernels/reference.py
     y_t  = C_t . h_t + D * u_t
     out  = y * silu(z)                                    (z optional)
 
-Forward. One numba call, parallel over (batch, channel) with `prange`: each
-iteration owns one channel of one sequence, keeps its state h (N floats, in its
+Forward. One numba call, parallel over (batch, channel) work items: each
+item owns one channel of one sequence, keeps its state h (N floats, in its
 row of last_state) and walks the L time steps, computing exp(dt_t * A) on the
 fly; the loop over the N state entries is vectorized. Nothing of size
 (batch, d_inner, L, N) is ever stored: besides `out` and the last state it saves
@@ -40,10 +40,18 @@ into another such buffer (G) and then the local-in-time gradients. Recomputing
 costs one more forward pass of arithmetic and saves L / CHUNK times the memory
 (and the memory traffic, which on a CPU would otherwise bound both passes).
 
-Determinism. No atomics and no data-dependent summation order. The backward is
-parallel over (batch, channel block): a fixed partition of the channels into
-blocks that depends on the shapes only (not on the thread count). One iteration
-owns all the channels of its block for one sequence, so it can accumulate dB and
+Work distribution. Each parallel pass runs one `prange` iteration per thread, and
+the threads take work items from a shared atomic counter (`_take`) until none are
+left, instead of getting a fixed share each: on a machine where another process
+holds one of the cores, the thread that runs does the work instead of the pass
+waiting for the share of the thread that does not. Which thread computes an item
+never changes what the item computes or where it writes.
+
+Determinism. No atomics in the arithmetic (the counter above only hands out work
+items) and no data-dependent summation order. The backward is parallel over
+(batch, channel block): a fixed partition of the channels into blocks that
+depends on the shapes only (not on the thread count). One item owns all the
+channels of its block for one sequence, so it can accumulate dB and
 dC for the block over its channels in order into its own (L, N) partial, and dA,
 dD, ddelta_bias into per-(batch, channel) partials. A second parallel pass sums
 the partials in a fixed order. The same inputs therefore give bit-identical
@@ -143,6 +151,22 @@ def _exp_overload(x):
     return lambda x: math.exp(x)
 
 
+# --------------------------------------------------------------------------- work queue
+
+@intrinsic
+def _take(typingctx, counter):
+    """Atomically counter[0] += 1, returning the old value: the next work item to take.
+    counter is a 1-d int64 array. Only hands out work items: no result depends on it."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
+        return None
+    sig = types.int64(counter)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", ary.data, ir.Constant(ir.IntType(64), 1), "monotonic")
+    return sig, codegen
+
+
 # --------------------------------------------------------------------------- softplus, sigmoid
 
 # softplus(x) = max(x, 0) + log1p(w), w = exp(-|x|) in (0, 1], with
@@ -211,42 +235,47 @@ def _chunk_inputs(delta_c, bias, softplus, z_c, has_z, T, dtbuf, szbuf, dspbuf, 
 # numba's negative-index wraparound and vectorize.
 
 @njit(parallel=True, **_vec)
-def _forward_kernel(u, delta, A, Bt, Ct, D, z, delta_bias, softplus, has_z, chunk,
+def _forward_kernel(u, delta, A, Bt, Ct, D, z, delta_bias, softplus, has_z, chunk, n_workers,
                     out, last_state, ckpt):
     # u, delta, z: (batch, dim, L)   A: (dim, N)   Bt, Ct: (batch, L, N)   D, delta_bias: (dim,)
     # out: (batch, dim, L)   last_state: (batch, dim, N)   ckpt: (batch, dim, n_chunks, N)
     batch, dim, L = u.shape
     N = A.shape[1]
-    for bd in prange(batch * dim):              # one (sequence, channel) each
-        b = bd // dim
-        d = bd - b * dim
+    n_items = batch * dim                       # one (sequence, channel) each
+    queue = np.zeros(1, dtype=np.int64)
+    for _w in prange(n_workers):
         dtbuf = np.empty(chunk, dtype=u.dtype)
         szbuf = np.empty(chunk, dtype=u.dtype)
-        A_d = A[d]
-        D_d = D[d]
-        h = last_state[b, d]                      # the running state, (N,)
-        h[:] = 0
-        for c in range(ckpt.shape[2]):
-            ckpt[b, d, c] = h
-            t0 = c * chunk
-            t1 = min(L, t0 + chunk)
-            T = t1 - t0
-            u_c, out_c = u[b, d, t0:t1], out[b, d, t0:t1]
-            B_c, C_c = Bt[b, t0:t1], Ct[b, t0:t1]                       # (T, N)
-            z_c = z[b, d, t0:t1] if has_z else z[0, 0, 0:0]
-            _chunk_inputs(delta[b, d, t0:t1], delta_bias[d], softplus, z_c, has_z, T,
-                          dtbuf, szbuf, dtbuf, False)
-            for i in range(T):
-                dtu = dtbuf[i] * u_c[i]
-                y = h.dtype.type(0)
-                for n in range(N):
-                    h_n = _exp(dtbuf[i] * A_d[n]) * h[n] + dtu * B_c[i, n]
-                    h[n] = h_n
-                    y += C_c[i, n] * h_n
-                out_c[i] = y + D_d * u_c[i]
-            if has_z:
+        bd = _take(queue)
+        while bd < n_items:
+            b = bd // dim
+            d = bd - b * dim
+            A_d = A[d]
+            D_d = D[d]
+            h = last_state[b, d]                      # the running state, (N,)
+            h[:] = 0
+            for c in range(ckpt.shape[2]):
+                ckpt[b, d, c] = h
+                t0 = c * chunk
+                t1 = min(L, t0 + chunk)
+                T = t1 - t0
+                u_c, out_c = u[b, d, t0:t1], out[b, d, t0:t1]
+                B_c, C_c = Bt[b, t0:t1], Ct[b, t0:t1]                       # (T, N)
+                z_c = z[b, d, t0:t1] if has_z else z[0, 0, 0:0]
+                _chunk_inputs(delta[b, d, t0:t1], delta_bias[d], softplus, z_c, has_z, T,
+                              dtbuf, szbuf, dtbuf, False)
                 for i in range(T):
-                    out_c[i] = out_c[i] * (z_c[i] * szbuf[i])
+                    dtu = dtbuf[i] * u_c[i]
+                    y = h.dtype.type(0)
+                    for n in range(N):
+                        h_n = _exp(dtbuf[i] * A_d[n]) * h[n] + dtu * B_c[i, n]
+                        h[n] = h_n
+                        y += C_c[i, n] * h_n
+                    out_c[i] = y + D_d * u_c[i]
+                if has_z:
+                    for i in range(T):
+                        out_c[i] = out_c[i] * (z_c[i] * szbuf[i])
+            bd = _take(queue)
 
 
 # --------------------------------------------------------------------------- backward
@@ -368,41 +397,49 @@ def _channel_backward(b, d, dout, dlast, u, delta, A, Bt, Ct, D, z, delta_bias, 
 
 
 @njit(parallel=True, **_jit)
-def _reduce_partials(dA_part, dD_part, ddb_part, dB_part, dC_part, dA, dD, ddb, dB, dC):
+def _reduce_partials(dA_part, dD_part, ddb_part, dB_part, dC_part, n_workers,
+                     dA, dD, ddb, dB, dC):
     """Sum the partials in a fixed order.
     dA_part (batch, dim, N) -> dA (dim, N); dD_part, ddb_part (batch, dim) -> (dim,);
     dB_part, dC_part (batch, n_blocks, L, N) -> dB, dC (batch, N, L)."""
     batch, dim, N = dA_part.shape
     n_blocks, L = dB_part.shape[1], dB_part.shape[2]
-    for d in prange(dim):
-        for n in range(N):
-            acc = dA_part[0, d, n]
-            for b in range(1, batch):
-                acc += dA_part[b, d, n]
-            dA[d, n] = acc
-        acc_D = dD_part[0, d]
-        acc_b = ddb_part[0, d]
-        for b in range(1, batch):
-            acc_D += dD_part[b, d]
-            acc_b += ddb_part[b, d]
-        dD[d] = acc_D
-        ddb[d] = acc_b
-    for bn in prange(batch * N):
-        b = bn // N
-        n = bn - b * N
-        for t in range(L):
-            acc_B = dB_part[b, 0, t, n]
-            acc_C = dC_part[b, 0, t, n]
-            for k in range(1, n_blocks):
-                acc_B += dB_part[b, k, t, n]
-                acc_C += dC_part[b, k, t, n]
-            dB[b, n, t] = acc_B
-            dC[b, n, t] = acc_C
+    n_items = dim + batch * N            # a channel of dA, dD, ddb; or a (b, n) row of dB, dC
+    queue = np.zeros(1, dtype=np.int64)
+    for _w in prange(n_workers):
+        item = _take(queue)
+        while item < n_items:
+            if item < dim:
+                d = item
+                for n in range(N):
+                    acc = dA_part[0, d, n]
+                    for b in range(1, batch):
+                        acc += dA_part[b, d, n]
+                    dA[d, n] = acc
+                acc_D = dD_part[0, d]
+                acc_b = ddb_part[0, d]
+                for b in range(1, batch):
+                    acc_D += dD_part[b, d]
+                    acc_b += ddb_part[b, d]
+                dD[d] = acc_D
+                ddb[d] = acc_b
+            else:
+                b = (item - dim) // N
+                n = item - dim - b * N
+                for t in range(L):
+                    acc_B = dB_part[b, 0, t, n]
+                    acc_C = dC_part[b, 0, t, n]
+                    for k in range(1, n_blocks):
+                        acc_B += dB_part[b, k, t, n]
+                        acc_C += dC_part[b, k, t, n]
+                    dB[b, n, t] = acc_B
+                    dC[b, n, t] = acc_C
+            item = _take(queue)
 
 
 @njit(parallel=True, **_jit)
 def _backward_kernel(dout, dlast, u, delta, A, Bt, Ct, D, z, delta_bias, softplus, has_z,
-                     chunk, ckpt, n_blocks,
+                     chunk, ckpt, n_blocks, n_workers,
                      du, ddelta, dz, dA, dB, dC, dD, ddb):
     # dout, u, delta, z, du, ddelta, dz: (batch, dim, L)   dlast: (batch, dim, N)
     # A, dA: (dim, N)   Bt, Ct: (batch, L, N)   dB, dC: (batch, N, L)
@@ -414,29 +451,38 @@ def _backward_kernel(dout, dlast, u, delta, A, Bt, Ct, D, z, delta_bias, softplu
     ddb_part = np.empty((batch, dim), dtype=u.dtype)
     dB_part = np.empty((batch, n_blocks, L, N), dtype=u.dtype)
     dC_part = np.empty((batch, n_blocks, L, N), dtype=u.dtype)
-    for item in prange(batch * n_blocks):         # one (sequence, channel block) each
-        b = item // n_blocks
-        k = item - b * n_blocks
+    n_items = batch * n_blocks                  # one (sequence, channel block) each
+    queue = np.zeros(1, dtype=np.int64)
+    for _w in prange(n_workers):
         hbuf = np.empty((chunk + 1, N), dtype=u.dtype)
         abuf = np.empty((chunk, N), dtype=u.dtype)
         G = np.empty((chunk, N), dtype=u.dtype)
         vbuf = np.empty((5, chunk), dtype=u.dtype)
         g = np.empty(N, dtype=u.dtype)
-        dB_blk, dC_blk = dB_part[b, k], dC_part[b, k]
-        dB_blk[:] = 0
-        dC_blk[:] = 0
-        for d in range(k * dim // n_blocks, (k + 1) * dim // n_blocks):
-            dD_part[b, d], ddb_part[b, d] = _channel_backward(
-                b, d, dout, dlast, u, delta, A, Bt, Ct, D, z, delta_bias, softplus, has_z,
-                chunk, ckpt, hbuf, abuf, G, vbuf, g, dA_part[b, d], du, ddelta, dz,
-                dB_blk, dC_blk)
-    _reduce_partials(dA_part, dD_part, ddb_part, dB_part, dC_part, dA, dD, ddb, dB, dC)
+        item = _take(queue)
+        while item < n_items:
+            b = item // n_blocks
+            k = item - b * n_blocks
+            dB_blk, dC_blk = dB_part[b, k], dC_part[b, k]
+            dB_blk[:] = 0
+            dC_blk[:] = 0
+            for d in range(k * dim // n_blocks, (k + 1) * dim // n_blocks):
+                dD_part[b, d], ddb_part[b, d] = _channel_backward(
+                    b, d, dout, dlast, u, delta, A, Bt, Ct, D, z, delta_bias, softplus, has_z,
+                    chunk, ckpt, hbuf, abuf, G, vbuf, g, dA_part[b, d], du, ddelta, dz,
+                    dB_blk, dC_blk)
+            item = _take(queue)
+    _reduce_partials(dA_part, dD_part, ddb_part, dB_part, dC_part, n_workers,
+                     dA, dD, ddb, dB, dC)
 
 
 # --------------------------------------------------------------------------- torch glue
 
-def _set_threads() -> None:
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+def _set_threads() -> int:
+    """Use torch's thread count (at most numba's): -> the number of workers."""
+    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(n)
+    return n
 
 
 def _np(t: torch.Tensor, ct: torch.dtype) -> np.ndarray:
@@ -463,7 +509,7 @@ def _n_blocks(batch: int, dim: int) -> int:
 def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus):
     """-> (out (batch, dim, L) in u's dtype, last_state (batch, dim, N) in the compute dtype,
     saved = (checkpoints (batch, dim, n_chunks, N), chunk length as a 0-d tensor))"""
-    _set_threads()
+    n_workers = _set_threads()
     ct = compute_dtype(u.dtype)
     batch, dim, L = u.shape
     N = A.shape[1]
@@ -475,14 +521,14 @@ def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus):
     _forward_kernel(_np(u, ct), _np(delta, ct), _np(A, ct), _transposed(B, ct),
                     _transposed(C, ct), _optional(D, ct, (dim,)), _optional(z, ct, (1, 1, 1)),
                     _optional(delta_bias, ct, (dim,)), bool(delta_softplus), z is not None, chunk,
-                    out.numpy(), last_state.numpy(), ckpt.numpy())
+                    n_workers, out.numpy(), last_state.numpy(), ckpt.numpy())
     return out.to(u.dtype), last_state, (ckpt, torch.tensor(chunk))
 
 
 def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, saved):
     """-> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias), each in its input's dtype
     (None for a None input among D, z, delta_bias)."""
-    _set_threads()
+    n_workers = _set_threads()
     ckpt, chunk = saved
     ct = compute_dtype(u.dtype)
     batch, dim, L = u.shape
@@ -499,7 +545,7 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
                      _np(u, ct), _np(delta, ct), _np(A, ct), _transposed(B, ct),
                      _transposed(C, ct), _optional(D, ct, (dim,)), _optional(z, ct, (1, 1, 1)),
                      _optional(delta_bias, ct, (dim,)), bool(delta_softplus), z is not None,
-                     int(chunk), _np(ckpt, ct), _n_blocks(batch, dim),
+                     int(chunk), _np(ckpt, ct), _n_blocks(batch, dim), n_workers,
                      du.numpy(), ddelta.numpy(), dz.numpy(), dA.numpy(), dB.numpy(), dC.numpy(),
                      dD.numpy(), ddb.numpy())
     return (du.to(u.dtype), ddelta.to(delta.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
