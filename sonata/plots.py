@@ -136,3 +136,19 @@ def autotune_curve(result: dict, title: str = "micro-batch autotuning"):
     ax.legend(h1 + h2, l1 + l2, loc="lower right", fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def memory_curves(series: dict, budget_bytes: int | None = None, title: str = "memory after each step"):
+    """Memory (MiB) after each optimizer step for each named run (notebook 03)."""
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for name, values in series.items():
+        ax.plot(range(1, len(values) + 1), [v / 2**20 for v in values], "o-", ms=3, label=name)
+    if budget_bytes:
+        ax.axhline(budget_bytes / 2**20, color="tab:red", ls="--", lw=1, label="memory budget")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("MiB (resident set on CPU, allocated on CUDA)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return fig

@@ -19,6 +19,11 @@ TINY = {
     "02_autotuning.ipynb": dict(
         candidates="1,2,4,8", effective_batch=4, sustained_steps=6, peak_micro=8, peak_steps=4,
         eval_every=3, d_model=32, n_layers=1, d_state=4, seq_len=32, max_stories=60),
+    "03_memory_leak_reproduction.ipynb": dict(
+        steps=20, micro_batch=8, headroom_mb=24, guarded_steps=80, d_model=64, n_layers=1, d_state=4,
+        seq_len=64, max_stories=60),
+    "04_benchmark_correction.ipynb": dict(
+        steps=20, micro_batch=8, d_model=64, n_layers=1, d_state=4, seq_len=64, max_stories=60),
     "05_contracting_dynamics.ipynb": dict(
         lrs=[0.01, 1.0], max_steps=12, micro_batch=4, seq_len=32, d_model=32, n_layers=1, d_state=4,
         max_stories=60),
@@ -95,5 +100,28 @@ def test_notebook_02_autotunes_and_compares_sustained_with_peak(tmp_path):
     html = "\n".join("".join(o.get("data", {}).get("text/html", "")) for c in nb["cells"]
                      if c["cell_type"] == "code" for o in c.get("outputs", []))
     assert "sustained (profile default)" in html and "peak micro-benchmark (fixed micro-batch 8)" in html
-    assert html.count("<- chosen") == 1
+    assert html.count("&lt;- chosen") == 1
     assert any("image/png" in o.get("data", {}) for c in nb["cells"] for o in c.get("outputs", []))
+
+
+@pytest.mark.notebook
+def test_notebook_03_reproduces_the_leak_and_the_guard_stops_it(tmp_path):
+    nb, text = _run("03_memory_leak_reproduction.ipynb", tmp_path)
+    assert "leaky: LEAK" in text and "fixed: flat" in text
+    assert "guard tripped: True" in text and "stopped before step 80: True" in text
+    assert "memory budget exceeded" in text
+    assert "checkpoint loads: True" in text and "== the last completed step: True" in text
+    assert sum("image/png" in o.get("data", {}) for c in nb["cells"] for o in c.get("outputs", [])) == 2
+
+
+@pytest.mark.notebook
+def test_notebook_04_marks_the_leaky_benchmark_invalid(tmp_path):
+    nb, text = _run("04_benchmark_correction.ipynb", tmp_path)
+    assert "before: INVALID" in text and "after: VALID" in text
+    assert "memory leak: memory after each step grows" in text
+    assert "the harness rejects the leaky run" in text
+    html = "\n".join("".join(o.get("data", {}).get("text/html", "")) for c in nb["cells"]
+                     if c["cell_type"] == "code" for o in c.get("outputs", []))
+    for row in ("Throughput (median window)", "Peak memory", "Stability", "Reproducibility",
+                "Memory safety", "Verdict"):
+        assert f"<td>{row}</td>" in html
