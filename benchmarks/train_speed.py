@@ -7,7 +7,9 @@ fp32. One training step = forward, cross-entropy, backward, AdamW step. Warm-up
 steps are excluded; models are measured in interleaved rounds and the median round
 is reported, so machine noise hits every column alike. Also: bytes saved for
 backward per token (activations kept by autograd, parameters excluded), measured
-with torch.autograd.graph.saved_tensors_hooks.
+with torch.autograd.graph.saved_tensors_hooks. Then the same micro-batches through
+sonata's trainer and benchmark harness (benchmarks/validity.py): each figure with its
+validity checks and verdict.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import hardware_line, print_table  # noqa: E402
+from validity import validity_table  # noqa: E402
 
 from sonata.config import ModelConfig  # noqa: E402
 from sonata.kernels import fallback_count, resolve_backend  # noqa: E402
@@ -71,6 +74,8 @@ def main(argv=None):
     ap.add_argument("--models", nargs="+", default=None,
                     help="any of reference cpu triton mambapy (default: all that run here)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--no-validity", action="store_true",
+                    help="skip the harness table (sonata's trainer, with verdicts)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
@@ -115,6 +120,9 @@ def main(argv=None):
                 title=f"training speed, seed config (d_model 96, 2 layers, d_state 16, L {SEQ_LEN}, "
                       f"vocab 512, fp32), {args.rounds} rounds x {args.steps} steps, "
                       f"{args.warmup} warm-up steps excluded")
+    if not args.no_validity:
+        # the same batches through sonata's own trainer and harness: each figure with its checks
+        validity_table(args.batches, steps=30, threads=args.threads)
 
 
 if __name__ == "__main__":

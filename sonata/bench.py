@@ -137,10 +137,10 @@ def run_once(overrides, steps: int, warmup: int, window: int, seed: int | None =
         ov.append(f"train.seed={seed}")
     cfg = make_config(ov)
     release_free_memory()
-    tr = Trainer(cfg, None, progress=progress)
     stopped = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        tr = Trainer(cfg, None, progress=progress)
         try:
             tr.run()
         except (MemoryBudgetExceeded, TrainingDiverged) as e:
