@@ -58,6 +58,15 @@ def _run(name, tmp_path, **extra):
     return nb, text
 
 
+def _html(nb):
+    return "\n".join("".join(o.get("data", {}).get("text/html", "")) for c in nb["cells"]
+                     if c["cell_type"] == "code" for o in c.get("outputs", []))
+
+
+def _images(nb):
+    return sum("image/png" in o.get("data", {}) for c in nb["cells"] for o in c.get("outputs", []))
+
+
 @pytest.mark.notebook
 def test_notebook_01_trains_and_reports(tmp_path):
     nb, text = _run("01_train_tinystories.ipynb", tmp_path)
@@ -68,7 +77,7 @@ def test_notebook_01_trains_and_reports(tmp_path):
     assert f"validation bits per byte: {summary['val_bpb']:.4f}" in text
     assert text.count("--- sample") == 2
     assert "parameters: " in text and "coverage" in text
-    assert any("image/png" in o.get("data", {}) for c in nb["cells"] for o in c.get("outputs", []))
+    assert _images(nb) >= 1
     assert (run / "checkpoint.pt").exists()
 
 
@@ -77,8 +86,7 @@ def test_notebook_00_checks_every_backend(tmp_path):
     nb, text = _run("00_selective_scan_kernels.ipynb", tmp_path)
     assert "all backends agree with the float64 reference: True" in text
     assert '"triton_interpreter": true' in text or "cuda" in text
-    html = "\n".join("".join(o.get("data", {}).get("text/html", "")) for c in nb["cells"]
-                     if c["cell_type"] == "code" for o in c.get("outputs", []))
+    html = _html(nb)
     assert "<td>triton</td>" in html and "<td>cpu</td>" in html and "<td>mambapy</td>" in html
 
 
@@ -97,11 +105,10 @@ def test_notebook_02_autotunes_and_compares_sustained_with_peak(tmp_path):
     assert "chosen: micro-batch " in text and "x accumulation" in text
     assert "the trainer is back at step 0" in text
     assert "MemoryBudgetExceeded after 0 steps: budget 64 MiB, in use above it: True" in text
-    html = "\n".join("".join(o.get("data", {}).get("text/html", "")) for c in nb["cells"]
-                     if c["cell_type"] == "code" for o in c.get("outputs", []))
+    html = _html(nb)
     assert "sustained (profile default)" in html and "peak micro-benchmark (fixed micro-batch 8)" in html
     assert html.count("&lt;- chosen") == 1
-    assert any("image/png" in o.get("data", {}) for c in nb["cells"] for o in c.get("outputs", []))
+    assert _images(nb) >= 1
 
 
 @pytest.mark.notebook
@@ -111,7 +118,7 @@ def test_notebook_03_reproduces_the_leak_and_the_guard_stops_it(tmp_path):
     assert "guard tripped: True" in text and "stopped before step 80: True" in text
     assert "memory budget exceeded" in text
     assert "checkpoint loads: True" in text and "== the last completed step: True" in text
-    assert sum("image/png" in o.get("data", {}) for c in nb["cells"] for o in c.get("outputs", [])) == 2
+    assert _images(nb) == 2
 
 
 @pytest.mark.notebook
@@ -120,8 +127,7 @@ def test_notebook_04_marks_the_leaky_benchmark_invalid(tmp_path):
     assert "before: INVALID" in text and "after: VALID" in text
     assert "memory leak: memory after each step grows" in text
     assert "the harness rejects the leaky run" in text
-    html = "\n".join("".join(o.get("data", {}).get("text/html", "")) for c in nb["cells"]
-                     if c["cell_type"] == "code" for o in c.get("outputs", []))
+    html = _html(nb)
     for row in ("Throughput (median window)", "Peak memory", "Stability", "Reproducibility",
                 "Memory safety", "Verdict"):
         assert f"<td>{row}</td>" in html
