@@ -1,12 +1,19 @@
 """Command line: python -m sonata train | autotune | bench | generate.
 
-    python -m sonata train [--out DIR] [--resume CHECKPOINT] [key=value ...]
+    python -m sonata train [--out DIR] [--resume CHECKPOINT] [--nproc N] [key=value ...]
     python -m sonata autotune [--json] [key=value ...]
     python -m sonata bench [--steps N] [--json] [key=value ...]
     python -m sonata generate CHECKPOINT [--prompt TEXT] [--n N] [--max-new-tokens N]
 
 A user mistake (unknown key, bad value, missing or corrupt file, empty corpus,
 unsafe checkpoint) ends with exit status 2 and one line starting `error:`.
+
+Data parallel: `python -m sonata train --nproc N ...` starts N worker processes
+(sonata.distributed.launch, torch's elastic launcher) and keeps that contract: rank
+0's output only, exit 2 and one `error:` line when a worker fails. Under
+`torchrun --nproc_per_node=N -m sonata train ...` the workers keep it too (rank 0
+prints, the others stay silent and exit 2 on an agreed stop), but torchrun itself
+then exits 1 and prints its own ChildFailedError report after the `error:` line.
 """
 from __future__ import annotations
 
@@ -33,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--out", help="output folder (default: runs/<time>, or the resumed run's folder)")
     tr.add_argument("--resume", help="checkpoint to continue from")
     tr.add_argument("--progress", default=None, help="auto | bar | lines | none")
+    tr.add_argument("--nproc", type=int, default=None,
+                    help="data-parallel worker processes on this machine (the global batch is "
+                         "train.effective_batch); default 1")
     tr.add_argument("overrides", nargs="*", help="config overrides as section.key=value")
     at = sub.add_parser("autotune", help="measure the profile's candidate micro-batches, print the table")
     at.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -56,21 +66,39 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
+    import os
+
     from sonata import checkpoint as ckpt
+    from sonata import distributed
     from sonata.config import Config, apply_overrides
     from sonata.trainer import Trainer
 
-    state = None
-    if args.resume:
-        state = ckpt.load(args.resume)
-        cfg = Config.from_dict(state["config"])
-    else:
-        cfg = Config()
-    apply_overrides(cfg, args.overrides)
     out = args.out or (str(Path(args.resume).parent) if args.resume
                        else f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    trainer = Trainer(cfg, out, state=state, progress=args.progress)
+    if args.nproc is not None:
+        if args.nproc < 1:
+            raise SonataError("--nproc must be >= 1")
+        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+            raise SonataError("--nproc cannot be used inside torchrun (the workers are already started)")
+        if args.nproc > 1:
+            argv = ["train", "--out", out] + (["--resume", args.resume] if args.resume else []) + \
+                   (["--progress", args.progress] if args.progress else []) + list(args.overrides)
+            return distributed.launch(args.nproc, argv)
+    try:
+        state = None
+        if args.resume:
+            state = ckpt.load(args.resume)
+            cfg = Config.from_dict(state["config"])
+        else:
+            cfg = Config()
+        apply_overrides(cfg, args.overrides)
+        trainer = Trainer(cfg, out, state=state, progress=args.progress)
+    except SonataError as e:
+        e.all_ranks = True        # the same arguments and files on every rank: rank 0 says it
+        raise
     summary = trainer.run()
+    if not distributed.is_main():
+        return 0
     keys = ("steps", "tokens", "val_loss", "val_bpb", "tok_per_s_sustained", "backend", "fallbacks")
     print(json.dumps({k: summary[k] for k in keys}))
     print(f"wrote {out}/metrics.jsonl, {out}/checkpoint.pt and {out}/summary.json")
@@ -139,25 +167,59 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _dist():
+    """sonata.distributed if this process imported it (a train run), else None."""
+    return sys.modules.get("sonata.distributed")
+
+
+def _print_error(e: BaseException) -> None:
+    """One `error:` line. Data parallel: an error every rank raised (an agreed stop, bad
+    input) is printed by rank 0 only; one that only this rank met names the rank."""
+    r = _dist().rank() if _dist() else 0
+    if r and getattr(e, "all_ranks", False):
+        return
+    print(f"error: {f'rank {r}: ' if r else ''}{e}", file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
+    together = False       # every rank leaves at this point: wait for the others (rank 0's message)
     try:
-        args, extra = _parser().parse_known_args(argv)
-        # overrides may come after options (`--progress none train.lr=1e-3`)
-        if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
-            args.overrides += extra
-        elif extra:
-            raise SonataError(f"unrecognized arguments: {' '.join(extra)}")
-        return {"train": cmd_train, "autotune": cmd_autotune, "bench": cmd_bench,
-                "generate": cmd_generate}[args.command](args)
+        code = _run(argv)
+        together = True
+        return code
     except TrainingInterrupted as e:
-        print(f"error: {e}", file=sys.stderr)
+        _print_error(e)
+        together = getattr(e, "all_ranks", False)
         return 128 + e.signum
     except SonataError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _print_error(e)
+        together = getattr(e, "all_ranks", False)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        d = _dist()
+        if not (d and d.active() and d.is_comm_error(e)):
+            raise
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        print(f"error: rank {d.rank()}: lost contact with another process of the run "
+              f"(it failed or stopped; its own message says why): {first}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    finally:
+        if _dist():
+            _dist().shutdown(barrier=together)
+
+
+def _run(argv=None) -> int:
+    args, extra = _parser().parse_known_args(argv)
+    # overrides may come after options (`--progress none train.lr=1e-3`)
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides += extra
+    elif extra:
+        raise SonataError(f"unrecognized arguments: {' '.join(extra)}")
+    return {"train": cmd_train, "autotune": cmd_autotune, "bench": cmd_bench,
+            "generate": cmd_generate}[args.command](args)
 
 
 if __name__ == "__main__":

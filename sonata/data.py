@@ -362,9 +362,25 @@ class BatchSampler:
         self.gen.manual_seed(seed)
         self._offsets = torch.arange(seq_len + 1, device=stream.device)
 
-    def draw(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def draw(self, n: int, shard: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]:
+        """`n` windows; with `shard=(rank, world)` only rows [rank*n/world, (rank+1)*n/world).
+
+        Data-parallel training (sonata.distributed) keeps the SAME generator, seeded
+        the same, on every rank: each rank draws the start offsets of the whole global
+        batch (n random integers, cheap) exactly as a single process does and gathers
+        only its own contiguous shard. So the union of the shards is the single-process
+        batch in the same order, the generator's state is identical on every rank and
+        to a single-process run, and a checkpoint written by N ranks resumes on any M
+        ranks with the same data. (A generator seeded per rank, as issue 7 first put it,
+        could give neither.)"""
+        rank, world = shard
+        if n % world:
+            raise ValueError(f"cannot split {n} windows evenly across {world} ranks")
         high = self.stream.numel() - self.seq_len - 1
         starts = torch.randint(0, high + 1, (n,), generator=self.gen, device=self.stream.device)
+        if world > 1:
+            per = n // world
+            starts = starts[rank * per:(rank + 1) * per]
         win = self.stream[starts[:, None] + self._offsets].long()   # (n, seq_len + 1)
         return win[:, :-1], win[:, 1:]
 

@@ -27,6 +27,25 @@ is raised. The leak detector follows the memory after each step and warns once.
 keeps every step's loss with its autograd graph (the backward retains the graph, so
 its saved activations stay alive), `keep_activations` keeps each micro-step's
 logits and block outputs. Off by default; every metrics row names it when on.
+
+Data parallel (sonata.distributed; `torchrun -m sonata train` or `python -m sonata
+train --nproc N`). `train.effective_batch` is the GLOBAL batch: each of the W ranks
+trains on effective_batch / W sequences per step (its contiguous shard of the global
+batch, drawn as a single process draws it: see BatchSampler.draw), in micro-batches
+of train.micro_batch, accumulation = effective_batch / (micro_batch x W), with
+DistributedDataParallel (`no_sync` on all but the last micro-step). DDP averages the
+gradients, so the update equals the single-process update for the same global batch
+up to float summation order; clipping follows the sync; the reported loss is the
+mean over ranks, and the non-finite decision is agreed (any rank's non-finite value
+skips the step everywhere). Only rank 0 writes metrics, checkpoints (the bare
+model's state dict: the same format as a single-process run, loadable on any number
+of ranks), the summary and progress. The memory guard runs on every rank; each
+check is agreed by a collective before anything is raised, so a trip on one rank
+stops all ranks at the same step (rank 0 checkpoints the last good state and names
+the rank). Signals and divergence are agreed the same way. With the autotuner on,
+rank 0 measures the candidates alone (the bare model, no collectives: the per-rank
+throughput that the micro-batch decides) while the other ranks wait, and broadcasts
+its choice.
 """
 from __future__ import annotations
 
@@ -47,6 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from sonata import checkpoint as ckpt
+from sonata import distributed
 from sonata import kernels
 from sonata.config import Config
 from sonata.data import BatchSampler, Corpus, Vocab, build_corpus, d2h, h2d, val_batches
@@ -175,10 +195,36 @@ def check_precision(precision: str, device: torch.device) -> None:
                               f"{str(e).splitlines()[0]}") from None
 
 
-def plan_batch(t, profile) -> tuple[int, int, str]:
+def plan_batch(t, profile, world: int = 1) -> tuple[int, int, str]:
     """(micro_batch, effective_batch, how) before any autotuning, from train.* and the
-    profile. Raises ConfigError for a micro-batch above the cap."""
+    profile. The effective batch is global: with `world` processes each trains on
+    effective / world sequences, which the micro-batch must divide. Raises ConfigError
+    for a micro-batch above the cap or a batch that does not split."""
     eff = t.effective_batch or profile.effective_batch
+    if world > 1:
+        if eff % world:
+            raise ConfigError(f"train.effective_batch ({eff}) is the global batch and must be a "
+                              f"multiple of the number of processes ({world})")
+        per = eff // world
+        if t.fixed_micro_batch:
+            n = t.fixed_micro_batch
+            if per % n:
+                raise ConfigError(f"train.fixed_micro_batch ({n}) must divide the per-process batch "
+                                  f"(train.effective_batch {eff} / {world} processes = {per})")
+            return n, eff, (f"fixed by train.fixed_micro_batch={n}: the autotuner and the profile cap "
+                            f"({profile.max_micro_batch}) are off; accumulation {per // n} on each "
+                            f"of {world} processes")
+        if t.micro_batch:
+            if t.micro_batch > profile.max_micro_batch:
+                plan_batch(t, profile)                  # the cap's own message
+            if per % t.micro_batch:
+                raise ConfigError(f"train.micro_batch ({t.micro_batch}) must divide the per-process "
+                                  f"batch (train.effective_batch {eff} / {world} processes = {per})")
+            return t.micro_batch, eff, "train.micro_batch"
+        fitting = [c for c in profile.candidates if c <= profile.max_micro_batch and per % c == 0]
+        mb = max(fitting) if fitting else 1
+        return mb, eff, (f"largest candidate within profile {profile.name}'s cap that divides the "
+                         f"per-process batch {per} ({eff} / {world} processes)")
     if t.fixed_micro_batch:
         n = t.fixed_micro_batch
         if eff % n:
@@ -211,15 +257,29 @@ class Trainer:
     def __init__(self, cfg: Config, out_dir=None, state: dict | None = None, progress: str | None = None):
         self.cfg = cfg.validate()
         t = cfg.train
-        if t.threads:
-            torch.set_num_threads(t.threads)
-        self.device = resolve_device(t.device)
+        dctx = distributed.init_from_env(t.device)       # world 1 without torchrun: nothing
+        self.world, self.rank = dctx.world, dctx.rank
+        self.is_main = dctx.rank == 0
+        self._solo = False            # rank 0 autotuning alone: world-1 semantics, no collectives
+        self._net = None              # the DistributedDataParallel wrapper (world > 1, from run())
+        self._stop = None             # run()'s signal flag, read by the agreed after-step check
+        self._step_maxima = None      # [peak, step peak, signal] maxima over ranks, last step
+        self._threads = t.threads or (distributed.local_threads(dctx.local_world)
+                                      if self.world > 1 and (dctx.device is None or dctx.device.type == "cpu")
+                                      else 0)     # per rank on CPU: cores // processes on this machine
+        if self._threads:
+            torch.set_num_threads(self._threads)
+        if self.world > 1 and not self.is_main:
+            progress = "none"
+        self.device = dctx.device if self.world > 1 else resolve_device(t.device)
         self.profile = resolve_profile(cfg.profile, self.device.type, available_ram_bytes(),
                                        device_total_bytes(self.device))
         if t.precision == "auto":
             t.precision = self.profile.precision
         check_precision(t.precision, self.device)
-        t.micro_batch, t.effective_batch, self.batch_how = plan_batch(t, self.profile)
+        if state is not None:
+            self._replan_for_world(t)
+        t.micro_batch, t.effective_batch, self.batch_how = plan_batch(t, self.profile, self.world)
         if t.fixed_micro_batch:
             warnings.warn(f"sonata: micro-batch {self.batch_how}", UserWarning, stacklevel=2)
             if t.autotune:
@@ -254,12 +314,44 @@ class Trainer:
         if state:
             self._load_state(state)
 
+    def _replan_for_world(self, t) -> None:
+        """Resuming on a different number of processes: the global batch stays; a
+        micro-batch that does not divide the new per-process batch is re-planned (the
+        largest divisor below it), with a warning, rather than refused."""
+        eff, mb = t.effective_batch, t.micro_batch or t.fixed_micro_batch
+        if not (eff and mb) or eff % self.world:
+            return                                   # plan_batch explains what does not divide
+        per = eff // self.world
+        if per % mb == 0:
+            return
+        new = max(d for d in range(1, min(mb, per) + 1) if per % d == 0)
+        warnings.warn(f"sonata: the checkpoint's micro-batch {mb} does not divide the per-process "
+                      f"batch {per} (global {eff} / {self.world} processes); training with "
+                      f"micro-batch {new}", UserWarning, stacklevel=3)
+        if t.fixed_micro_batch:
+            t.fixed_micro_batch = new
+        else:
+            t.micro_batch = new
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-steps per optimizer step on this rank."""
+        t = self.cfg.train
+        world = 1 if self._solo else self.world
+        return t.effective_batch // (t.micro_batch * world)
+
+    @property
+    def _ddp(self) -> bool:
+        """Collectives in this step: world > 1 and not rank 0's solo autotuning."""
+        return self.world > 1 and not self._solo
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict(),
                 "scheduler": {"kind": "warmup_cosine", "step": self.step},
-                "step": self.step, "micro_step": self.step * self.cfg.train.accumulation,
+                "step": self.step, "micro_step": self.step * self.accumulation * self.world,
+                "world_size": self.world,
                 "tokens": self.tokens, "counters": dict(self.counters),
                 "sampler": self.sampler.state_dict(), "rng": rng_state(),
                 "vocab": self.corpus.vocab.state_dict(), "config": self.cfg.to_dict(),
@@ -287,6 +379,8 @@ class Trainer:
     def save_checkpoint(self, path=None) -> Path | None:
         """Atomic save; a model with NaN/Inf weights is never written over a good checkpoint."""
         path = Path(path) if path else self.out_dir / "checkpoint.pt"
+        if not self.is_main:                 # rank 0 writes; the state is the same on every rank
+            return path
         if not self.model_is_finite():
             warnings.warn(f"sonata: model has non-finite weights at step {self.step}; "
                           f"checkpoint {path} left as it was", RuntimeWarning, stacklevel=2)
@@ -297,25 +391,31 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step; a non-finite loss or gradient skips the update (counted)."""
         t, model = self.cfg.train, self.model
-        mb, acc = t.micro_batch, t.accumulation
+        mb, acc = t.micro_batch, self.accumulation
+        ddp = self._ddp
+        net = self._net if ddp and self._net is not None else model
         sync(self.device)
         t0 = time.perf_counter()
         model.train()
-        x, y = self.sampler.draw(t.effective_batch)                     # (eb, L) each
+        # the global batch's offsets, this rank's shard of rows (the whole batch at world 1)
+        x, y = self.sampler.draw(t.effective_batch, shard=(self.rank, self.world) if ddp else (0, 1))
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
         for i in range(acc):
             xb, yb = x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]
-            with autocast_for(t.precision, self.device):
-                logits = model(xb)                                      # (mb, L, V)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), yb.reshape(-1))
-            leak = self.cfg.debug.leak
-            self.scaler.scale(loss / acc).backward(retain_graph=leak == "keep_graph")
-            loss_sum += loss.detach()
-            if leak == "keep_graph":            # the bug, on purpose: the graph stays alive
-                self._leaked.append(loss)
-            elif leak == "keep_activations":
-                self._leaked.append(logits.detach())
+            # DDP: gradients are all-reduced only in the last micro-step's backward
+            no_sync = net.no_sync() if net is not model and i < acc - 1 else contextlib.nullcontext()
+            with no_sync:
+                with autocast_for(t.precision, self.device):
+                    logits = net(xb)                                    # (mb, L, V)
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), yb.reshape(-1))
+                leak = self.cfg.debug.leak
+                self.scaler.scale(loss / acc).backward(retain_graph=leak == "keep_graph")
+                loss_sum += loss.detach()
+                if leak == "keep_graph":        # the bug, on purpose: the graph stays alive
+                    self._leaked.append(loss)
+                elif leak == "keep_activations":
+                    self._leaked.append(logits.detach())
         self.scaler.unscale_(self.optimizer)
         clip = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -324,8 +424,12 @@ class Trainer:
             g["lr"] = lr
         loss_val = d2h.item(loss_sum / acc)                             # synchronizes the device
         gnorm = d2h.item(grad_norm)
+        bad = not math.isfinite(loss_val) or (not math.isfinite(gnorm) and t.precision != "fp16")
+        if ddp:     # the global mean loss; any rank's non-finite value skips the step everywhere
+            loss_sum_all, n_bad = distributed.all_reduce_sum([loss_val, float(bad)])
+            loss_val, bad = loss_sum_all / self.world, n_bad > 0 or not math.isfinite(loss_sum_all)
         skipped = None
-        if not math.isfinite(loss_val) or (not math.isfinite(gnorm) and t.precision != "fp16"):
+        if bad:
             skipped = "nonfinite"
             self.scaler.update()                                        # no-op unless fp16
         else:
@@ -345,6 +449,10 @@ class Trainer:
             if skipped == "scaler":
                 self.counters["scaler_skipped_steps"] += 1
         self.optimizer.zero_grad(set_to_none=True)
+        if self._threads and torch.get_num_threads() != self._threads:
+            # numba's OpenMP layer resets the OpenMP thread count when its pool starts (the
+            # first fused-kernel call): set ours again, so train.threads / threads per rank hold
+            torch.set_num_threads(self._threads)
         sync(self.device)                       # the clock is read only once the device is done
         dt = time.perf_counter() - t0
         n_tok = t.effective_batch * self.cfg.data.seq_len
@@ -363,6 +471,8 @@ class Trainer:
         choice. Raises SonataError when no candidate is eligible."""
         from sonata.autotune import AutotuneResult, autotune
         from sonata.errors import SonataError
+        if self.world > 1:
+            return self._apply_autotune_distributed(progress)
         bar = Progress(len(self.profile.candidates), "autotune",
                        self.progress_mode if progress is None else progress)
         try:
@@ -379,6 +489,49 @@ class Trainer:
         assert isinstance(res, AutotuneResult)
         return self.autotune_result
 
+    def _apply_autotune_distributed(self, progress: str | None = None) -> dict:
+        """Rank 0 measures the candidates alone, on the bare model (no collectives, so
+        nothing can leave the ranks out of step), for the per-process batch: the
+        micro-batch decides per-process throughput and memory. The other ranks wait
+        (a long-timeout group) and take its choice, so every rank trains with the same
+        micro-batch. Called before the model is wrapped in DDP."""
+        from sonata.autotune import autotune
+        from sonata.errors import SonataError
+        t = self.cfg.train
+        glob_eff = t.effective_batch
+        outcome = None
+        if self.is_main:
+            bar = Progress(len(self.profile.candidates), "autotune",
+                           self.progress_mode if progress is None else progress)
+            self._solo = True
+            t.effective_batch = glob_eff // self.world
+            try:
+                res = autotune(self, progress=bar)
+                outcome = {"result": res.to_dict()}
+            except SonataError as e:
+                outcome = {"error": str(e)}
+            except Exception as e:       # noqa: BLE001 - the others must not wait forever
+                outcome = {"error": f"autotune failed on rank 0: {type(e).__name__}: {e}"}
+                raise
+            finally:
+                self._solo = False
+                t.effective_batch = glob_eff
+                bar.close()
+                outcome = distributed.broadcast_object(outcome, src=0, wait=True)
+        else:
+            outcome = distributed.broadcast_object(None, src=0, wait=True)
+        if "error" in outcome:
+            raise _all_ranks(SonataError(outcome["error"]))
+        res = outcome["result"]
+        self.autotune_result = res
+        if res["micro_batch"] is None:
+            raise _all_ranks(SonataError(f"autotune: {res['reason']}; raise profile.memory_budget_mb "
+                                         f"or use train.fixed_micro_batch"))
+        t.micro_batch = res["micro_batch"]
+        self.batch_how = (f"autotuned on rank 0 for the per-process batch {res['effective_batch']} "
+                          f"(global {glob_eff} / {self.world} processes): {res['reason']}")
+        return self.autotune_result
+
     @torch.no_grad()
     def evaluate(self, max_tokens: int | None = None, model: MambaLM | None = None) -> EvalResult:
         t = self.cfg.train
@@ -387,7 +540,11 @@ class Trainer:
         nats = torch.zeros((), dtype=torch.float64, device=self.device)
         n_tok = n_bytes = 0
         limit = t.eval_tokens if max_tokens is None else max_tokens
-        for x, y in val_batches(self.corpus.val, self.cfg.data.seq_len, max(16, t.micro_batch), limit):
+        shard = self._ddp              # each rank evaluates every world-th batch; sums all-reduced
+        for i, (x, y) in enumerate(val_batches(self.corpus.val, self.cfg.data.seq_len,
+                                               max(16, t.micro_batch), limit)):
+            if shard and i % self.world != self.rank:
+                continue
             with autocast_for(t.precision, self.device):
                 logits = model(x)
             nats += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
@@ -396,6 +553,9 @@ class Trainer:
             n_bytes += int(self._byte_len[y].sum())
         model.train()
         total = float(nats)
+        if shard:
+            total, n_tok, n_bytes = distributed.all_reduce_sum([total, n_tok, n_bytes])
+            n_tok, n_bytes = int(n_tok), int(n_bytes)
         return EvalResult(loss=total / max(n_tok, 1), bpb=total / (math.log(2) * max(n_bytes, 1)),
                           tokens=n_tok, bytes=n_bytes)
 
@@ -408,6 +568,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def _open_metrics(self):
+        if not self.is_main:
+            return None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / "metrics.jsonl"
         kept = []
@@ -433,6 +595,8 @@ class Trainer:
     def _guarded_step(self) -> dict:
         """train_step between the guard's two checks; an allocation failure inside the
         step becomes MemoryBudgetExceeded (the gradients of the failed step are dropped)."""
+        if self._ddp:
+            return self._guarded_step_distributed()
         self.guard.check_before_step(self.step)
         try:
             row = self.train_step()
@@ -447,6 +611,59 @@ class Trainer:
         row["step_peak_bytes"] = self.guard.peak_last
         return row
 
+    def _agree_on_trip(self, err: MemoryBudgetExceeded | None, extra=()) -> list[float]:
+        """Every rank says whether its guard tripped (one MAX all-reduce, with `extra`
+        numbers whose maximum over ranks is returned); when any did, every rank raises
+        the first tripping rank's message, naming that rank, so all stop together."""
+        tripped, maxima = distributed.tripped_ranks(err is not None, extra)
+        if not tripped:
+            return maxima
+        self.guard.abort_step()                     # ranks that did not trip were sampling
+        first = tripped[0]
+        msg = distributed.broadcast_object(str(err) if err is not None else None, src=first)
+        where = f"on rank {first} of {self.world}" + (
+            f" (also rank{'s' if len(tripped) > 2 else ''} {', '.join(map(str, tripped[1:]))})"
+            if len(tripped) > 1 else "")
+        if msg.startswith("memory budget exceeded"):
+            msg = f"memory budget exceeded {where}" + msg[len("memory budget exceeded"):]
+        else:
+            msg = f"{where}: {msg}"
+        budget = err.budget_bytes if err is not None else self.guard.budget
+        raise MemoryBudgetExceeded(msg, budget, err.used_bytes if err is not None else 0)
+
+    def _guarded_step_distributed(self) -> dict:
+        trip_at = distributed.test_trip_step(self.rank)
+        if trip_at is not None and self.step == trip_at:     # test-only: see sonata.distributed
+            self.guard.budget = 1
+        err = None
+        try:
+            self.guard.check_before_step(self.step)
+        except MemoryBudgetExceeded as e:
+            err = e
+        self._agree_on_trip(err)
+        try:
+            row = self.train_step()
+        except Exception as e:
+            # an allocation failure inside the step cannot be agreed on (the other ranks
+            # are inside DDP's all-reduce): this rank stops and the others learn it from
+            # the process group (a closed connection, or the timeout)
+            self.guard.abort_step()
+            if not is_out_of_memory(e):
+                raise
+            self.optimizer.zero_grad(set_to_none=True)
+            self._leaked.clear()
+            raise self.guard.out_of_memory(self.step, e) from None
+        err = None
+        try:
+            row["mem_bytes"] = self.guard.after_step(self.step)
+        except MemoryBudgetExceeded as e:
+            err = e
+        row["step_peak_bytes"] = self.guard.peak_last
+        self._step_maxima = self._agree_on_trip(
+            err, [peak_memory_bytes(self.device), self.guard.peak_last,
+                  (self._stop.signum if self._stop is not None else None) or 0])
+        return row
+
     def _memory_tripped(self, e: MemoryBudgetExceeded) -> MemoryBudgetExceeded:
         self._leaked.clear()                          # a debug leak must not reach the checkpoint
         if self.device.type == "cuda":
@@ -455,7 +672,8 @@ class Trainer:
         where = (f"; the last good state (step {self.step}) is in {path}; resume with --resume "
                  f"{path} and a larger profile.memory_budget_mb" if path else
                  f"; no checkpoint written (no output folder)")
-        return MemoryBudgetExceeded(str(e) + where, e.budget_bytes, e.used_bytes)
+        out = MemoryBudgetExceeded(str(e) + where, e.budget_bytes, e.used_bytes)
+        return _all_ranks(out) if self._ddp else out
 
     def run(self, on_step=None) -> dict:
         """Train to train.max_steps. `on_step(trainer, row)` may add fields to each row."""
@@ -469,12 +687,24 @@ class Trainer:
         last_eval: EvalResult | None = None
         if t.autotune and not t.fixed_micro_batch and self.autotune_result is None:
             self.apply_autotune()
+        if self.world > 1 and self._net is None:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            self._net = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self._stop = None
+        self._step_maxima = None
         bar = Progress(t.max_steps - self.step, "train", self.progress_mode)
         leak_warned = False
         try:
             with _StopSignal() as stop:
+                self._stop = stop
                 while self.step < t.max_steps:
                     row = self._guarded_step()
+                    stop_signum = stop.signum
+                    if self._step_maxima is not None:      # agreed over ranks after the step
+                        peak_all, step_peak_all, signum = self._step_maxima
+                        row["peak_mem_bytes_all_ranks"] = int(peak_all)
+                        row["step_peak_bytes"] = int(step_peak_all)
+                        stop_signum = int(signum) or None   # a later signal: the next step's turn
                     row["h2d_bytes"], row["d2h_bytes"] = h2d.bytes - h2d_start, d2h.bytes - d2h_start
                     h2d_start, d2h_start = h2d.bytes, d2h.bytes
                     done_here += 1
@@ -482,7 +712,8 @@ class Trainer:
                         measured_tokens += t.effective_batch * self.cfg.data.seq_len
                         measured_s += row["step_s"]
                     row["nonfinite_steps"] = self.counters["nonfinite_steps"]
-                    row["peak_mem_bytes"] = peak_memory_bytes(self.device)
+                    row["peak_mem_bytes"] = (row.pop("peak_mem_bytes_all_ranks") if self._ddp
+                                             else peak_memory_bytes(self.device))
                     self.leak.record(row["mem_bytes"])
                     if self.leak.enough:
                         row["mem_slope_bytes_per_step"] = self.leak.slope()
@@ -503,23 +734,23 @@ class Trainer:
                         metrics.flush()
                     if self._consecutive_nonfinite >= t.max_nonfinite:
                         self._emergency("nonfinite")
-                        raise TrainingDiverged(
+                        raise _all_ranks(TrainingDiverged(
                             f"{self._consecutive_nonfinite} consecutive non-finite steps, the last at "
                             f"step {self.step}; updates were skipped, the last good state is in "
                             f"{self.out_dir / 'checkpoint.pt' if self.out_dir else '(no --out)'}; "
-                            f"lower train.lr or check the data")
+                            f"lower train.lr or check the data"), self._ddp)
                     if self.out_dir and t.checkpoint_every and self.step % t.checkpoint_every == 0 and not final:
                         self.save_checkpoint()
                     post = {"loss": row["loss"], "tok/s": round(row["tok_per_s"])}
                     if "val_bpb" in row:
                         post["val_bpb"] = row["val_bpb"]
                     bar.update(1, **post)
-                    if stop.signum is not None:
-                        self._emergency(signal.Signals(stop.signum).name)
-                        raise TrainingInterrupted(
-                            f"stopped by {signal.Signals(stop.signum).name} after step {self.step}; "
+                    if stop_signum is not None:
+                        self._emergency(signal.Signals(stop_signum).name)
+                        raise _all_ranks(TrainingInterrupted(
+                            f"stopped by {signal.Signals(stop_signum).name} after step {self.step}; "
                             f"resume with --resume {self.out_dir / 'checkpoint.pt' if self.out_dir else '?'}",
-                            stop.signum)
+                            stop_signum), self._ddp)
         except MemoryBudgetExceeded as e:
             raise self._memory_tripped(e) from None
         except KeyboardInterrupt:
@@ -533,6 +764,9 @@ class Trainer:
                 metrics.close()
         if last_eval is None:
             last_eval = self.evaluate()
+        peak_mem, guard_peak = distributed.all_reduce_max(
+            [peak_memory_bytes(self.device), self.guard.peak]) if self._ddp else \
+            (peak_memory_bytes(self.device), self.guard.peak)
         summary = {
             "steps": self.step, "tokens": self.tokens,
             "wall_s": time.perf_counter() - t_start,
@@ -542,18 +776,19 @@ class Trainer:
             "val_tokens": last_eval.tokens, "val_bytes": last_eval.bytes,
             "params": self.model.num_params(),
             "device": str(self.device), "threads": torch.get_num_threads(),
+            "world_size": self.world, "backend_dist": distributed.context().backend,
             "backend": kernels.resolve_backend(self.cfg.model.backend,
                                                torch.zeros(1, device=self.device))[0],
             "fallbacks": kernels.fallback_count(),
-            "peak_mem_bytes": peak_memory_bytes(self.device),
+            "peak_mem_bytes": int(peak_mem),       # the maximum over ranks
             "h2d_bytes_in_steps": sum(r["h2d_bytes"] for r in self.history),
             "d2h_bytes_in_steps": sum(r["d2h_bytes"] for r in self.history),
             "host_offload_bytes": 0,     # nothing is offloaded to host memory in this trainer
             "precision": t.precision,
-            "micro_batch": t.micro_batch, "accumulation": t.accumulation,
+            "micro_batch": t.micro_batch, "accumulation": self.accumulation,
             "effective_batch": t.effective_batch, "batch_how": self.batch_how,
             "profile": self.profile.to_dict(),
-            "memory_budget_bytes": self.guard.budget, "guard_peak_bytes": self.guard.peak,
+            "memory_budget_bytes": self.guard.budget, "guard_peak_bytes": int(guard_peak),
             **self.leak.report(),
             "debug_leak": self.cfg.debug.leak,
             "autotune": self.autotune_result,
@@ -565,9 +800,9 @@ class Trainer:
             q = self.evaluate_int8_export()
             summary.update(val_loss_fp32_weights=fp32.loss, val_loss_int8_export=q.loss,
                            val_bpb_int8_export=q.bpb)
-            if self.out_dir:
+            if self.out_dir and self.is_main:
                 torch.save(self.model.int8_state(), self.out_dir / "model_int8.pt")
-        if self.out_dir:
+        if self.out_dir and self.is_main:
             self.save_checkpoint()
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
@@ -578,6 +813,14 @@ class Trainer:
             return self.evaluate()
         finally:
             self.model.set_int8(True)
+
+
+def _all_ranks(e: Exception, agreed: bool = True) -> Exception:
+    """Mark an error that every rank raises at the same point (an agreed stop): rank 0
+    prints it, the others exit 2 silently (sonata.__main__)."""
+    if agreed:
+        e.all_ranks = True
+    return e
 
 
 def load_model(path, device="cpu") -> tuple[MambaLM, Vocab, Config]:

@@ -1,0 +1,406 @@
+"""Data-parallel training across processes: the one home of process-group logic.
+
+Launch: `torchrun --nproc_per_node=N -m sonata train ...` or, with a clean exit
+contract, `python -m sonata train --nproc N ...` (`launch` below, through torch's
+elastic launcher). Each worker reads RANK / WORLD_SIZE / LOCAL_RANK from the
+environment (`init_from_env`); without them the world is 1 and no process group is
+created at all, so the single-process path is unchanged.
+
+- Backend: `nccl` when the run is on CUDA (device cuda:LOCAL_RANK), `gloo` on CPU.
+  The control collectives of the trainer (guard flags, loss, memory maxima, the
+  autotuner's choice, error messages) run on a separate gloo group on CPU tensors.
+- Timeout: collectives give up after DIST_TIMEOUT_S (60 s, env SONATA_DIST_TIMEOUT_S),
+  so a rank that dies or hangs cannot block the others forever; a rank whose peer
+  died usually learns it at once (the socket closes). The autotuner's wait (rank 0
+  tunes alone, the others wait for its choice) uses a second gloo group with a long
+  timeout (WAIT_TIMEOUT_S).
+- Data order: see `sonata.data.BatchSampler.draw` (every rank draws the whole global
+  batch's offsets from the same generator and keeps its own contiguous shard), so
+  the data order equals a single-process run's and a checkpoint resumes on any
+  number of processes.
+- Stopping: the trainer agrees on every stop (memory guard, signals, divergence)
+  with a collective before it raises, so all ranks stop at the same step; rank 0
+  writes the checkpoint and prints the one `error:` line, the others exit 2
+  silently (`shutdown(barrier=True)` lets rank 0 finish first).
+"""
+from __future__ import annotations
+
+import datetime
+import glob
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+DIST_TIMEOUT_S = 60.0          # collectives (and so a dead or stuck peer) time out after this
+WAIT_TIMEOUT_S = 6 * 3600.0    # the autotuner's wait for rank 0's choice
+
+# Test-only: SONATA_TEST_TRIP="RANK:STEP" makes rank RANK's memory guard trip (its budget
+# becomes 1 byte) before step STEP + 1, so tests can trip one rank only. Never set it
+# outside tests.
+TEST_TRIP_ENV = "SONATA_TEST_TRIP"
+
+
+@dataclass
+class Context:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    local_world: int = 1
+    backend: str | None = None           # gloo | nccl | None (single process)
+    device: torch.device | None = None
+    ctl: object = None                   # gloo group for control collectives
+    wait: object = None                  # gloo group with a long timeout
+
+
+_ctx = Context()
+
+
+def _timeout_s() -> float:
+    try:
+        return float(os.environ.get("SONATA_DIST_TIMEOUT_S", DIST_TIMEOUT_S))
+    except ValueError:
+        return DIST_TIMEOUT_S
+
+
+def init_from_env(device: str = "auto") -> Context:
+    """Join the process group that torchrun (or `launch`) describes in the environment;
+    idempotent. `device`: train.device (auto | cpu | cuda). World 1: nothing is done."""
+    global _ctx
+    if _ctx.world > 1 and dist.is_initialized():
+        return _ctx
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1:
+        return _ctx
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if cuda:
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+        backend = "nccl"
+    else:
+        dev, backend = torch.device("cpu"), "gloo"
+    timeout = datetime.timedelta(seconds=_timeout_s())
+    dist.init_process_group(backend=backend, timeout=timeout,
+                            **({"device_id": dev} if cuda else {}))
+    ctl = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    wait = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=WAIT_TIMEOUT_S))
+    _ctx = Context(rank=rank, world=world, local_rank=local_rank, local_world=local_world,
+                   backend=backend, device=dev, ctl=ctl, wait=wait)
+    if rank > 0:   # rank 0 says everything once; the others would only repeat it
+        warnings.simplefilter("ignore")
+    return _ctx
+
+
+def context() -> Context:
+    return _ctx
+
+
+def active() -> bool:
+    return _ctx.world > 1 and dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return _ctx.rank
+
+
+def world_size() -> int:
+    return _ctx.world
+
+
+def is_main() -> bool:
+    return _ctx.rank == 0
+
+
+def _reduce(values, op, group=None) -> list[float]:
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    dist.all_reduce(t, op=op, group=group or _ctx.ctl)
+    return t.tolist()
+
+
+def all_reduce_max(values) -> list[float]:
+    """Element-wise maximum over ranks (a list of numbers; float64, exact for byte counts)."""
+    if not active():
+        return [float(v) for v in values]
+    return _reduce(values, dist.ReduceOp.MAX)
+
+
+def all_reduce_sum(values) -> list[float]:
+    if not active():
+        return [float(v) for v in values]
+    return _reduce(values, dist.ReduceOp.SUM)
+
+
+def all_reduce_mean(values) -> list[float]:
+    return [v / _ctx.world for v in all_reduce_sum(values)]
+
+
+def broadcast_int(value: int, src: int = 0, wait: bool = False) -> int:
+    """Rank `src`'s integer on every rank; `wait`: the long-timeout group (rank 0 busy)."""
+    if not active():
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.int64)
+    dist.broadcast(t, src=src, group=_ctx.wait if wait else _ctx.ctl)
+    return int(t.item())
+
+
+def broadcast_object(obj, src: int = 0, wait: bool = False):
+    """Rank `src`'s picklable object on every rank (messages, the autotune result)."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=_ctx.wait if wait else _ctx.ctl)
+    return box[0]
+
+
+def tripped_ranks(flag: bool, extra=()) -> tuple[list[int], list[float]]:
+    """One MAX all-reduce: which ranks raised `flag`, and the maximum of `extra` over ranks."""
+    vals = [0.0] * _ctx.world + [float(v) for v in extra]
+    vals[_ctx.rank] = 1.0 if flag else 0.0
+    out = all_reduce_max(vals)
+    return [r for r in range(_ctx.world) if out[r] > 0], out[_ctx.world:]
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier(group=_ctx.ctl)
+
+
+def is_comm_error(e: BaseException) -> bool:
+    """A failure of a collective (a peer died or timed out), not a bug of this rank."""
+    dist_error = getattr(dist, "DistError", ())
+    if dist_error and isinstance(e, dist_error):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        w in text for w in ("gloo", "Gloo", "NCCL", "Connection closed by peer", "Connection reset",
+                            "timed out", "Timed out"))
+
+
+def shutdown(barrier: bool = False) -> None:
+    """Leave the process group (every exit path). `barrier`: wait for the other ranks first
+    (a clean or an agreed stop), so rank 0 finishes its checkpoint and its message."""
+    global _ctx
+    if not active():
+        _ctx = Context()
+        return
+    try:
+        if barrier:
+            dist.barrier(group=_ctx.ctl)
+    except Exception:      # noqa: BLE001 - a peer already gone: nothing to wait for
+        pass
+    try:
+        dist.destroy_process_group()
+    except Exception:      # noqa: BLE001
+        pass
+    _ctx = Context()
+
+
+def test_trip_step(this_rank: int) -> int | None:
+    """Test-only (TEST_TRIP_ENV): the step before which this rank's guard must trip."""
+    spec = os.environ.get(TEST_TRIP_ENV, "")
+    if not spec:
+        return None
+    r, _, s = spec.partition(":")
+    return int(s or 0) if int(r) == this_rank else None
+
+
+def local_threads(local_world: int) -> int:
+    """CPU threads for one of `local_world` processes on this machine."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_world))
+
+
+# ---------------------------------------------------------------- launching
+LOST_CONTACT = "error: rank 0: lost contact"     # sonata.__main__'s line for a failed collective
+
+
+def _quiet_elastic_logs() -> None:
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+
+
+class _Tail(threading.Thread):
+    """Copy one worker's redirected stream to ours, live, without a prefix."""
+
+    def __init__(self, pattern: str, dst):
+        super().__init__(daemon=True)
+        self.pattern, self.dst = pattern, dst
+        self.done = threading.Event()
+        self.error_lines: list[str] = []
+        self.held: list[str] = []      # "lost contact" lines: the failing rank's own line is better
+
+    def run(self):
+        path = None
+        while path is None:
+            hits = glob.glob(self.pattern)
+            if hits:
+                path = hits[0]
+            elif self.done.is_set():
+                return
+            else:
+                time.sleep(0.05)
+        with open(path, errors="replace") as f:
+            buf = ""
+            while True:
+                chunk = f.readline()
+                if chunk:
+                    buf += chunk
+                    if buf.endswith("\n"):
+                        self._emit(buf)
+                        buf = ""
+                elif self.done.is_set():
+                    if buf:
+                        self._emit(buf + "\n")
+                    return
+                else:
+                    time.sleep(0.05)
+
+    def _emit(self, line: str):
+        if line.startswith(LOST_CONTACT):
+            self.held.append(line.rstrip("\n"))
+            return
+        if line.startswith("error:"):
+            self.error_lines.append(line.rstrip("\n"))
+        self.dst.write(line)
+        self.dst.flush()
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """Run `python -m sonata <argv>` in `nproc` worker processes on this machine through
+    torch's elastic launcher (standalone rendezvous on localhost, no restarts).
+
+    Only rank 0's output reaches the console (live, unprefixed); the others' goes to
+    a temporary log folder. Exit status: 0 when every worker succeeded; otherwise the
+    first failing worker's status mapped as the single-process command does (2, or
+    128 + signal for an interrupt), with exactly one `error:` line: rank 0's own when
+    it printed one, else the failing rank's, else one naming the rank, its exit code
+    and its log folder. torchrun's own failure report (ChildFailedError) is not shown.
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    _quiet_elastic_logs()
+    log_dir = tempfile.mkdtemp(prefix="sonata-ranks-")
+    run_id = uuid.uuid4().hex[:12]
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          monitor_interval=0.1, start_method="spawn",
+                          logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL))
+    base = os.path.join(log_dir, f"{run_id}*", "attempt_0", "0")
+    tails = [_Tail(os.path.join(base, "stdout.log"), sys.stdout),
+             _Tail(os.path.join(base, "stderr.log"), sys.stderr)]
+    for t in tails:
+        t.start()
+    failure = None
+    try:
+        elastic_launch(config, sys.executable)("-m", "sonata", *argv)
+    except ChildFailedError as e:
+        failure = e
+    except (KeyboardInterrupt, SignalException) as e:   # the agent stops the workers itself
+        failure = e
+    finally:
+        for t in tails:
+            t.done.set()
+        for t in tails:
+            t.join(timeout=10)
+    if failure is None:
+        _rmtree(log_dir)
+        return 0
+    if isinstance(failure, (KeyboardInterrupt, SignalException)):
+        sig = getattr(failure, "sigval", None)
+        if not tails[1].error_lines:
+            print(f"error: interrupted{f' by {sig.name}' if sig else ''}; the workers were stopped "
+                  f"(their output: {log_dir})", file=sys.stderr)
+        return 128 + (int(sig) if sig else 2)
+    first_rank, first = failure.get_first_failure()
+    code = first.exitcode
+    if not tails[1].error_lines:       # rank 0 said nothing: say what the failing rank said
+        line = None
+        for r, f in sorted(failure.failures.items(), key=lambda kv: (kv[0] != first_rank, kv[0])):
+            for path in glob.glob(os.path.join(log_dir, f"{run_id}*", "attempt_0", str(f.local_rank),
+                                               "stderr.log")):
+                errs = [ln for ln in Path(path).read_text(errors="replace").splitlines()
+                        if ln.startswith("error:") and " lost contact " not in ln]
+                if errs:
+                    line = errs[0]
+                    break
+            if line:
+                break
+        if line is None:
+            how = (f"was killed by signal {-code}" if code is not None and code < 0
+                   else f"failed with exit code {code}")
+            lost = " (the other ranks lost contact with it)" if tails[1].held else ""
+            line = f"error: worker rank {first_rank} {how}{lost}; the workers' output is in {log_dir}"
+        print(line, file=sys.stderr)
+    else:
+        _rmtree(log_dir)
+    if code is not None and code > 128:
+        return code
+    if code is not None and code < 0:                   # killed by a signal
+        return 128 - code
+    return 2
+
+
+def _rmtree(path: str) -> None:
+    import shutil
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- scaling
+def measure_scaling(overrides, nprocs=(1, 2), steps: int = 20, timeout: float = 1800,
+                    use_torchrun: bool = False) -> list[dict]:
+    """Data-parallel scaling on this machine at a fixed GLOBAL batch (strong scaling).
+
+    For each n in `nprocs`, runs `python -m sonata train --nproc n` (or torchrun with
+    `use_torchrun`) with `overrides` plus train.max_steps=`steps` into a temporary
+    folder and reads its summary.json and metrics.jsonl. Rows: processes, global and
+    per-process tokens/s (sustained: the first steps excluded), median step time
+    (ms), final loss, threads per process, micro-batch x accumulation."""
+    rows = []
+    for n in nprocs:
+        with tempfile.TemporaryDirectory(prefix=f"sonata-scaling-{n}-") as tmp:
+            args = ["train", "--out", tmp, "--progress", "none", *overrides,
+                    f"train.max_steps={steps}"]
+            if use_torchrun and n > 1:
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       f"--nproc_per_node={n}", "-m", "sonata", *args]
+            else:
+                cmd = [sys.executable, "-m", "sonata", *args] + ([] if n == 1 else ["--nproc", str(n)])
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            if r.returncode != 0:
+                err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+                raise RuntimeError(f"{n} process(es): exit {r.returncode}: "
+                                   f"{err[0] if err else r.stderr[-500:]}")
+            s = json.loads((Path(tmp) / "summary.json").read_text())
+            metrics = [json.loads(ln) for ln in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+        from sonata.trainer import MEASURE_SKIP
+        step_s = sorted(m["step_s"] for m in metrics[MEASURE_SKIP:]) or sorted(m["step_s"] for m in metrics)
+        tps = s["tok_per_s_sustained"] or 0.0
+        rows.append({"processes": n, "tok/s global": round(tps),
+                     "tok/s per process": round(tps / n),
+                     "step time ms": round(1000 * step_s[len(step_s) // 2], 1),
+                     "final loss": round(metrics[-1]["loss"], 4),
+                     "threads per process": s.get("threads"),
+                     "micro x accum": f"{s['micro_batch']} x {s['accumulation']}",
+                     "global batch": s["effective_batch"]})
+    return rows
