@@ -18,7 +18,8 @@ TINY = {
         sample_tokens=12, warmup_steps=2),
     "02_autotuning.ipynb": dict(
         candidates="1,2,4,8", effective_batch=4, sustained_steps=6, peak_micro=8, peak_steps=4,
-        eval_every=3, d_model=32, n_layers=1, d_state=4, seq_len=32, max_stories=60),
+        eval_every=3, d_model=32, n_layers=1, d_state=4, seq_len=32, max_stories=60,
+        scaling_processes=[1, 2], scaling_steps=4),
     "03_memory_leak_reproduction.ipynb": dict(
         steps=20, micro_batch=8, headroom_mb=24, guarded_steps=80, d_model=64, n_layers=1, d_state=4,
         seq_len=64, max_stories=60),
@@ -108,6 +109,8 @@ def test_notebook_02_autotunes_and_compares_sustained_with_peak(tmp_path):
     html = _html(nb)
     assert "sustained (profile default)" in html and "peak micro-benchmark (fixed micro-batch 8)" in html
     assert html.count("&lt;- chosen") == 1
+    assert "same final loss in every run (within 0.1%): True" in text
+    assert "2 processes x 1 thread(s):" in text
     assert _images(nb) >= 1
 
 
