@@ -89,6 +89,8 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 def fmt_mib(n: float) -> str:
+    if abs(n) < MiB / 10:
+        return f"{n / 1024:,.1f} KiB" if abs(n) >= 1024 else f"{n:,.0f} B"
     return f"{n / MiB:,.1f} MiB"
 
 
@@ -195,7 +197,7 @@ class MemoryGuard:
         raise MemoryBudgetExceeded(
             f"memory budget exceeded: {what_happened} of {unit}, over the budget of "
             f"{fmt_mib(self.budget)} ({self.what}){hint}; try a smaller train.micro_batch, "
-            f"train.autotune=true, or a larger {self.what}", self.budget, used)
+            f"train.autotune=true, or a larger profile.memory_budget_mb", self.budget, used)
 
     def out_of_memory(self, step: int, exc: BaseException, hint: str = "") -> MemoryBudgetExceeded:
         """The error to raise when an allocation failed inside a step."""
@@ -220,7 +222,7 @@ class LeakDetector:
     """Memory after each step; a slope over the last `window` steps (from step
     `skip` + 1 on, once `min_samples` are there) above `threshold` bytes per step
     is a leak. The default threshold, 256 KiB per step, is far above what a correct
-    loop drifts by (0 B per step measured on CPU and CUDA) and far below what one
+    loop drifts by (0 to 15 KiB per step measured on CPU) and far below what one
     kept graph of the seed model costs (about 38 MiB per step at micro-batch 16)."""
 
     def __init__(self, window: int = 16, threshold: float = 256 * 1024, skip: int = 2,

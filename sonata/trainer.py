@@ -288,8 +288,7 @@ class Trainer:
         self.autotune_result: dict | None = None
         self.guard = MemoryGuard(self.profile.memory_budget_bytes, self.device,
                                  what=("profile.memory_budget_mb" if cfg.profile.memory_budget_mb else
-                                       f"profile {self.profile.name}: {self.profile.budget_source}; "
-                                       f"set profile.memory_budget_mb"))
+                                       f"profile {self.profile.name}: {self.profile.budget_source}"))
         self.leak = LeakDetector()
         self._leaked: list = []          # debug.leak only
         self.out_dir = Path(out_dir) if out_dir is not None else None
