@@ -176,6 +176,15 @@ def test_matches_reference_options(nan_empty, flags):
     compare_to_reference(new_seed(), 3, 37, 16, 150, **flags)
 
 
+@pytest.mark.parametrize("work_items", [1, 5], ids=["one-group", "three-groups"])
+def test_channel_block_groups(nan_empty, monkeypatch, work_items):
+    """Backward work items that span several W-channel blocks, the last one partial:
+    each item sums dB / dC over its blocks before the partials are reduced."""
+    monkeypatch.setattr(cpu, "WORK_ITEMS", work_items)
+    assert cpu._n_groups(2, 200) == (work_items + 1) // 2 < math.ceil(200 / cpu.W)
+    compare_to_reference(new_seed(), 2, 200, 16, 130)
+
+
 @pytest.mark.parametrize("use_dout,use_dlast", [(True, False), (False, True)],
                          ids=["out-only", "last-state-only"])
 def test_gradient_through_one_output(nan_empty, use_dout, use_dlast):

@@ -8,13 +8,26 @@ Semantics are exactly those of `selective_scan_ref` (sonata/kernels/reference.py
     y_t  = C_t . h_t + D * u_t
     out  = y * silu(z)                                    (z optional)
 
-Forward. One numba call, parallel over (batch, channel) work items: each
-item owns one channel of one sequence, keeps its state h (N floats, in its
-row of last_state) and walks the L time steps, computing exp(dt_t * A) on the
-fly; the loop over the N state entries is vectorized. Nothing of size
-(batch, d_inner, L, N) is ever stored: besides `out` and the last state it saves
-one state per chunk of CHUNK time steps (the state at the start of the chunk),
-shape (batch, d_inner, n_chunks, N).
+Layout: channels in lanes. B_t and C_t are shared by all channels of a sequence,
+so the kernels work on blocks of W = 16 consecutive channels of one sequence and
+keep the state of a block as h[n, w] (N x W): per time step and state entry n,
+
+    h[n, :] = exp(dt_t[:] * A[:, n]) * h[n, :] + (dt_t u_t)[:] * B_t[n]
+    y_t[:] += C_t[n] * h[n, :]
+
+is one W-wide vector operation (B_t[n], C_t[n] broadcast), and the sums over n
+(y here; s_bg, s_aq below) accumulate lane by lane: no horizontal reductions in
+the time loop. exp(dt A) is computed on the fly, W lanes at a time. The block's
+inputs u, delta, z, dout ((batch, dim, L)) are copied chunk by chunk into small
+lane-contiguous (chunk, W) buffers, softplus / sigmoid / the gate are computed
+there, and results are copied back; a block that runs past the last channel
+(dim not a multiple of W) has zeros in the extra lanes (dt = u = dy = 0, so its
+state and adjoint stay 0) and its extra lanes are never written out.
+
+Forward. One numba call, parallel over (batch, block) work items: each item walks
+the L time steps of its W channels. Nothing of size (batch, d_inner, L, N) is ever
+stored: besides `out` and the last state it saves one state per chunk of CHUNK
+time steps (the state at the start of the chunk), shape (batch, d_inner, n_chunks, N).
 
 Backward. The adjoint g_t = dLoss/dh_t obeys the reverse scan
 
@@ -35,8 +48,10 @@ where dy = dout * silu(z). The reverse scan needs h_{t-1} and h_t at every step.
 Storing them all would be the (batch, d_inner, L, N) tensor this kernel exists to
 avoid, so the backward goes over the chunks from last to first, recomputes the
 chunk's states and decays a_t forward from its saved checkpoint into chunk-local
-buffers (a few CHUNK x N arrays per thread), runs the reverse scan over the chunk
-into another such buffer (G) and then the local-in-time gradients. Recomputing
+buffers ((CHUNK + 1) x N x W floats each, per thread), then runs the reverse scan
+over the chunk with all the local-in-time gradients in the same step. dA, du,
+ddelta, dD and ddelta_bias accumulate lane-wise; dB_t[n] and dC_t[n] are sums over
+the channels, i.e. over the lanes: one reduction per (t, n) and block. Recomputing
 costs one more forward pass of arithmetic and saves L / CHUNK times the memory
 (and the memory traffic, which on a CPU would otherwise bound both passes).
 
@@ -49,13 +64,13 @@ never changes what the item computes or where it writes.
 
 Determinism. No atomics in the arithmetic (the counter above only hands out work
 items) and no data-dependent summation order. The backward is parallel over
-(batch, channel block): a fixed partition of the channels into blocks that
+(batch, group of blocks): a fixed partition of the channel blocks into groups that
 depends on the shapes only (not on the thread count). One item owns all the
-channels of its block for one sequence, so it can accumulate dB and
-dC for the block over its channels in order into its own (L, N) partial, and dA,
-dD, ddelta_bias into per-(batch, channel) partials. A second parallel pass sums
-the partials in a fixed order. The same inputs therefore give bit-identical
-gradients, whatever the number of threads.
+channels of its group for one sequence, so it can accumulate dB and dC over its
+blocks in order into its own (L, N) partial, and dA, dD, ddelta_bias into
+per-(batch, channel) partials. A second parallel pass sums the partials in a fixed
+order. The lane reductions have a fixed (compile-time) order too. The same inputs
+therefore give bit-identical gradients, whatever the number of threads.
 
 Precision. float32 arithmetic for float16 / bfloat16 / float32 inputs (numba has
 no bfloat16: the torch glue converts to contiguous float32 numpy arrays), float64
@@ -78,19 +93,23 @@ from numba.extending import intrinsic, overload
 from sonata.kernels.reference import compute_dtype
 
 # Time steps between saved states. The backward's per-thread scratch is about
-# 3 * CHUNK * N floats (states, decays, adjoints): 12 KiB at N = 16.
-CHUNK = 64
-# Target number of (batch, channel block) work items in the backward. The channel
-# partition depends only on the shapes, so results do not depend on the threads;
-# the dB / dC partials are (batch, n_blocks, L, N) with n_blocks <= ceil(64 / batch).
+# 2 * CHUNK * N * W floats (states and decays of a block): 256 KiB at N = 16, in L2.
+# Longer chunks spread the per-chunk costs (copies in and out of the lane buffers).
+CHUNK = 128
+# Channels per block: the lanes of the kernels' vector loops (16 float32 = one AVX-512
+# register). A work item is one block of W channels of one sequence; the partition
+# depends only on the shapes, so results do not depend on the threads.
+W = 16
+# Target number of (batch, group of channel blocks) work items in the backward; the dB / dC
+# partials are (batch, n_groups, L, N) with n_groups <= ceil(WORK_ITEMS / batch).
 WORK_ITEMS = 64
 
 # error_model="numpy": float division by zero gives inf/nan instead of a Python
 # exception, whose check would also block vectorization.
 _jit = dict(cache=True, nogil=True, error_model="numpy")
-# The kernels' loops over the N state entries may reassociate their sums and fuse
-# multiply-adds, so that they vectorize (AVX2 / AVX-512). The order is fixed at
-# compile time: results stay bit-identical from call to call. No 'nnan'/'ninf':
+# The kernels' loops over the W lanes may reassociate their sums (the lane reductions
+# of dB, dC) and fuse multiply-adds, so that they vectorize (AVX2 / AVX-512). The order
+# is fixed at compile time: results stay bit-identical from call to call. No 'nnan'/'ninf':
 # NaNs and infinities propagate as in the reference.
 _vec = dict(_jit, fastmath={"reassoc", "contract"})
 # Helpers are inlined into the kernels by numba (a call per time step would pass
@@ -207,32 +226,75 @@ def _sigmoid(x, one):
     return one / (one + _exp(-x))
 
 
+# Moving a block between the (batch, dim, L) tensors and the lane-contiguous (T, W) chunk
+# buffers is a transposition. It runs as a plain copy in its own (not inlined) function,
+# once per chunk: inlined into a kernel, with arithmetic in the same loop, LLVM vectorized
+# it with AVX-512 gathers / scatters, which measured slower. The arithmetic runs on the
+# buffers, in loops over the W lanes.
+
+@njit(**_jit)
+def _load_block(x, b, d0, nw, t0, T, buf):
+    """buf[i, w] = x[b, d0 + w, t0 + i]; 0 in the lanes w >= nw (past the last channel)."""
+    for w in range(nw):
+        for i in range(T):
+            buf[i, w] = x[b, d0 + w, t0 + i]
+    for i in range(T):
+        for w in range(nw, W):
+            buf[i, w] = 0
+
+
+@njit(**_jit)
+def _store_block(buf, x, b, d0, nw, t0, T):
+    """x[b, d0 + w, t0 + i] = buf[i, w] for the lanes w < nw."""
+    for w in range(nw):
+        for i in range(T):
+            x[b, d0 + w, t0 + i] = buf[i, w]
+
+
 @njit(**_inline)
-def _chunk_inputs(delta_c, bias, softplus, z_c, has_z, T, dtbuf, szbuf, dspbuf, want_dsp):
-    """Per-step scalars of one channel over a chunk, vectorized over time:
-    dtbuf[i] = softplus(delta_c[i] + bias) (or delta_c[i] + bias); szbuf[i] = sigmoid(z_c[i])
-    if has_z; dspbuf[i] = softplus'(delta_c[i] + bias) if want_dsp and softplus."""
-    one = delta_c.dtype.type(1)
+def _block_dt(delta, u, delta_bias, softplus, b, d0, nw, t0, T, dtb, ub, dtub, dspb, want_dsp):
+    """Per-step lanes of a block over a chunk: dtb = softplus(delta + bias) (or delta + bias),
+    ub = u, dtub = dt * u, dspb = softplus'(delta + bias) if want_dsp and softplus.
+    dt, u, dt u are 0 in the lanes past the last channel."""
+    zero = dtb.dtype.type(0)
+    one = dtb.dtype.type(1)
+    twenty = dtb.dtype.type(20)
+    _load_block(delta, b, d0, nw, t0, T, dtb)
+    _load_block(u, b, d0, nw, t0, T, ub)
+    bias = dspb[T]                    # a spare row: the block's delta_bias lanes
+    for w in range(W):
+        bias[w] = delta_bias[d0 + w] if w < nw else zero
     if softplus:
         for i in range(T):
-            dtbuf[i] = _softplus(delta_c[i] + bias)
-        if want_dsp:
-            for i in range(T):
-                x = delta_c[i] + bias
-                dspbuf[i] = one if x > 20 else _sigmoid(x, one)
+            for w in range(W):
+                x = dtb[i, w] + bias[w]
+                dt = _softplus(x) if w < nw else zero
+                dtb[i, w] = dt
+                dtub[i, w] = dt * ub[i, w]
+                if want_dsp:
+                    dspb[i, w] = one if x > twenty else _sigmoid(x, one)
     else:
         for i in range(T):
-            dtbuf[i] = delta_c[i] + bias
-    if has_z:
-        for i in range(T):
-            szbuf[i] = _sigmoid(z_c[i], one)
+            for w in range(W):
+                dt = dtb[i, w] + bias[w]
+                dtb[i, w] = dt
+                dtub[i, w] = dt * ub[i, w]
+                if want_dsp:
+                    dspb[i, w] = one
+
+
+@njit(**_inline)
+def _block_params(A, D, d0, nw, Ab, Db):
+    """Ab[n, w] = A[d0 + w, n], Db[w] = D[d0 + w]; 0 past the last channel."""
+    zero = Ab.dtype.type(0)
+    for w in range(W):
+        Db[w] = D[d0 + w] if w < nw else zero
+    for n in range(Ab.shape[0]):
+        for w in range(W):
+            Ab[n, w] = A[d0 + w, n] if w < nw else zero
 
 
 # --------------------------------------------------------------------------- forward
-# Kernels take views of one (sequence, channel) row and one chunk of time once per
-# chunk, and index them with loop counters: a view per time step would cost a
-# reference-count round trip, and indices known to be non-negative let LLVM drop
-# numba's negative-index wraparound and vectorize.
 
 @njit(parallel=True, **_vec)
 def _forward_kernel(u, delta, A, Bt, Ct, D, z, delta_bias, softplus, has_z, chunk, n_workers,
@@ -241,239 +303,240 @@ def _forward_kernel(u, delta, A, Bt, Ct, D, z, delta_bias, softplus, has_z, chun
     # out: (batch, dim, L)   last_state: (batch, dim, N)   ckpt: (batch, dim, n_chunks, N)
     batch, dim, L = u.shape
     N = A.shape[1]
-    n_items = batch * dim                       # one (sequence, channel) each
+    n_blocks = -(-dim // W)
+    n_items = batch * n_blocks                  # one (sequence, block of W channels) each
+    one = u.dtype.type(1)
     queue = np.zeros(1, dtype=np.int64)
     for _w in prange(n_workers):
-        dtbuf = np.empty(chunk, dtype=u.dtype)
-        szbuf = np.empty(chunk, dtype=u.dtype)
-        bd = _take(queue)
-        while bd < n_items:
-            b = bd // dim
-            d = bd - b * dim
-            A_d = A[d]
-            D_d = D[d]
-            h = last_state[b, d]                      # the running state, (N,)
+        h = np.empty((N, W), dtype=u.dtype)              # the running state, h[n, w]
+        Ab = np.empty((N, W), dtype=u.dtype)
+        Db = np.empty(W, dtype=u.dtype)
+        lanes = np.empty((6, chunk + 1, W), dtype=u.dtype)
+        dtb, ub, dtub, yb, zb, spare = lanes[0], lanes[1], lanes[2], lanes[3], lanes[4], lanes[5]
+        item = _take(queue)
+        while item < n_items:
+            b = item // n_blocks
+            k = item - b * n_blocks
+            d0 = k * W
+            nw = min(W, dim - d0)
+            _block_params(A, D, d0, nw, Ab, Db)
             h[:] = 0
             for c in range(ckpt.shape[2]):
-                ckpt[b, d, c] = h
+                for w in range(nw):
+                    for n in range(N):
+                        ckpt[b, d0 + w, c, n] = h[n, w]
                 t0 = c * chunk
                 t1 = min(L, t0 + chunk)
                 T = t1 - t0
-                u_c, out_c = u[b, d, t0:t1], out[b, d, t0:t1]
-                B_c, C_c = Bt[b, t0:t1], Ct[b, t0:t1]                       # (T, N)
-                z_c = z[b, d, t0:t1] if has_z else z[0, 0, 0:0]
-                _chunk_inputs(delta[b, d, t0:t1], delta_bias[d], softplus, z_c, has_z, T,
-                              dtbuf, szbuf, dtbuf, False)
+                _block_dt(delta, u, delta_bias, softplus, b, d0, nw, t0, T, dtb, ub, dtub,
+                          spare, False)
                 for i in range(T):
-                    dtu = dtbuf[i] * u_c[i]
-                    y = h.dtype.type(0)
+                    y = yb[i]
+                    for w in range(W):
+                        y[w] = 0
                     for n in range(N):
-                        h_n = _exp(dtbuf[i] * A_d[n]) * h[n] + dtu * B_c[i, n]
-                        h[n] = h_n
-                        y += C_c[i, n] * h_n
-                    out_c[i] = y + D_d * u_c[i]
+                        B_n = Bt[b, t0 + i, n]
+                        C_n = Ct[b, t0 + i, n]
+                        for w in range(W):
+                            h_n = _exp(dtb[i, w] * Ab[n, w]) * h[n, w] + dtub[i, w] * B_n
+                            h[n, w] = h_n
+                            y[w] += C_n * h_n
                 if has_z:
+                    _load_block(z, b, d0, nw, t0, T, zb)
                     for i in range(T):
-                        out_c[i] = out_c[i] * (z_c[i] * szbuf[i])
-            bd = _take(queue)
+                        for w in range(W):
+                            z_i = zb[i, w]
+                            yb[i, w] = (yb[i, w] + Db[w] * ub[i, w]) * (z_i * _sigmoid(z_i, one))
+                else:
+                    for i in range(T):
+                        for w in range(W):
+                            yb[i, w] = yb[i, w] + Db[w] * ub[i, w]
+                _store_block(yb, out, b, d0, nw, t0, T)
+            for w in range(nw):
+                for n in range(N):
+                    last_state[b, d0 + w, n] = h[n, w]
+            item = _take(queue)
 
 
 # --------------------------------------------------------------------------- backward
-# Per chunk, the backward runs a few simple loops over (time step, state entry)
-# rather than one loop doing everything per step: LLVM guards a vectorized loop
-# with a run-time overlap check for every pair of arrays it writes and touches,
-# and with N = 16 those checks, paid once per time step, would cost more than the
-# arithmetic. Each inner loop below writes one or two arrays.
-
-@njit(**_inline)
-def _recompute_chunk(hbuf, abuf, ybuf, A_d, dtbuf, u_c, D_d, B_c, C_c, T):
-    """States from the checkpoint in hbuf[0]: hbuf[i + 1] = h_{t0+i}, abuf[i] = a_{t0+i} =
-    exp(dt A), ybuf[i] = C . h + D u (before the gate).   hbuf: (chunk+1, N), abuf: (chunk, N)"""
-    N = A_d.shape[0]
-    for i in range(T):
-        dt = dtbuf[i]
-        for n in range(N):
-            abuf[i, n] = _exp(dt * A_d[n])
-    for i in range(T):
-        dtu = dtbuf[i] * u_c[i]
-        y = hbuf.dtype.type(0)
-        for n in range(N):
-            h_n = abuf[i, n] * hbuf[i, n] + dtu * B_c[i, n]
-            hbuf[i + 1, n] = h_n
-            y += C_c[i, n] * h_n
-        ybuf[i] = y + D_d * u_c[i]
-
-
-@njit(**_inline)
-def _adjoint_chunk(G, g, abuf, C_c, dybuf, T):
-    """The reverse scan over one chunk: G[i] = dLoss/dh_{t0+i}, for i = T-1 .. 0,
-    G[i] = C_i dy_i + a_{i+1} G[i + 1], starting from the carry g that later chunks
-    (and dlast) sent to h_{t0+T-1}. Leaves in g the carry a_0 G[0] for the previous
-    chunk.   G, abuf, C_c: (chunk, N); g: (N,); dybuf: (chunk,)"""
-    N = g.shape[0]
-    for n in range(N):
-        G[T - 1, n] = C_c[T - 1, n] * dybuf[T - 1] + g[n]
-    for i in range(T - 2, -1, -1):
-        dy = dybuf[i]
-        for n in range(N):
-            G[i, n] = C_c[i, n] * dy + abuf[i + 1, n] * G[i + 1, n]
-    for n in range(N):
-        g[n] = abuf[0, n] * G[0, n]
-
-
-@njit(**_vec)
-def _channel_backward(b, d, dout, dlast, u, delta, A, Bt, Ct, D, z, delta_bias, softplus,
-                      has_z, chunk, ckpt, hbuf, abuf, G, vbuf, g, dA,
-                      du, ddelta, dz, dB_blk, dC_blk):
-    """Backward of one (batch b, channel d) over all chunks, last to first.
-
-    Scratch: hbuf (chunk + 1, N), abuf, G (chunk, N), vbuf (5, chunk), g (N,).
-    Writes du, ddelta, dz[b, d] (L,) and dA (N,); adds into the block partials
-    dB_blk, dC_blk (L, N); returns the (dD, ddelta_bias) partials of this channel.
-    """
-    L = u.shape[2]
-    N = A.shape[1]
-    one = u.dtype.type(1)
-    A_d = A[d]
-    D_d = D[d]
-    dtbuf, szbuf, dspbuf, ybuf, dybuf = vbuf[0], vbuf[1], vbuf[2], vbuf[3], vbuf[4]
-    dA[:] = 0
-    g[:] = dlast[b, d]
-    dD_acc = u.dtype.type(0)
-    ddb_acc = u.dtype.type(0)
-    for c in range(ckpt.shape[2] - 1, -1, -1):
-        t0 = c * chunk
-        t1 = min(L, t0 + chunk)
-        T = t1 - t0
-        u_c, dout_c = u[b, d, t0:t1], dout[b, d, t0:t1]
-        du_c, ddelta_c = du[b, d, t0:t1], ddelta[b, d, t0:t1]
-        z_c = z[b, d, t0:t1] if has_z else z[0, 0, 0:0]
-        dz_c = dz[b, d, t0:t1] if has_z else dz[0, 0, 0:0]
-        B_c, C_c = Bt[b, t0:t1], Ct[b, t0:t1]
-        dB_c, dC_c = dB_blk[t0:t1], dC_blk[t0:t1]
-        _chunk_inputs(delta[b, d, t0:t1], delta_bias[d], softplus, z_c, has_z, T,
-                      dtbuf, szbuf, dspbuf, True)
-        hbuf[0] = ckpt[b, d, c]
-        _recompute_chunk(hbuf, abuf, ybuf, A_d, dtbuf, u_c, D_d, B_c, C_c, T)
-        # through the gate: dy = dout * silu(z), dz = dout * y * silu'(z)
-        if has_z:
-            for i in range(T):
-                s = szbuf[i]
-                dz_c[i] = dout_c[i] * ybuf[i] * (s * (one + z_c[i] * (one - s)))
-                dybuf[i] = dout_c[i] * (z_c[i] * s)
-        else:
-            for i in range(T):
-                dybuf[i] = dout_c[i]
-        _adjoint_chunk(G, g, abuf, C_c, dybuf, T)
-        # dB_t += dt_t u_t G_t and dC_t += dy_t h_t, summed over the block's channels
-        for i in range(T):
-            dtu = dtbuf[i] * u_c[i]
-            for n in range(N):
-                dB_c[i, n] += dtu * G[i, n]
-        for i in range(T):
-            dy = dybuf[i]
-            for n in range(N):
-                dC_c[i, n] += dy * hbuf[i + 1, n]
-        # with q = G a h_prev:  dA += dt q,  ddt = sum_n A q + u sum_n B G
-        for i in range(T):
-            dt = dtbuf[i]
-            s_bg = u.dtype.type(0)
-            s_aq = u.dtype.type(0)
-            for n in range(N):
-                g_n = G[i, n]
-                s_bg += B_c[i, n] * g_n
-                q = g_n * abuf[i, n] * hbuf[i, n]
-                s_aq += A_d[n] * q
-                dA[n] += dt * q
-            dy = dybuf[i]
-            du_c[i] = D_d * dy + dt * s_bg
-            dD_acc += dy * u_c[i]
-            ddt = s_aq + u_c[i] * s_bg
-            if softplus:
-                ddt = ddt * dspbuf[i]
-            ddelta_c[i] = ddt
-            ddb_acc += ddt
-    return dD_acc, ddb_acc
-
 
 @njit(parallel=True, **_jit)
-def _reduce_partials(dA_part, dD_part, ddb_part, dB_part, dC_part, n_workers,
+def _reduce_partials(dA_part, dD_part, ddb_part, dB_part, dC_part, chunk, n_workers,
                      dA, dD, ddb, dB, dC):
     """Sum the partials in a fixed order.
     dA_part (batch, dim, N) -> dA (dim, N); dD_part, ddb_part (batch, dim) -> (dim,);
-    dB_part, dC_part (batch, n_blocks, L, N) -> dB, dC (batch, N, L)."""
+    dB_part, dC_part (batch, n_groups, L, N) -> dB, dC (batch, N, L)."""
     batch, dim, N = dA_part.shape
-    n_blocks, L = dB_part.shape[1], dB_part.shape[2]
-    n_items = dim + batch * N            # a channel of dA, dD, ddb; or a (b, n) row of dB, dC
+    n_groups, L = dB_part.shape[1], dB_part.shape[2]
+    n_tiles = -(-L // chunk)
+    n_items = dim + batch * n_tiles      # a channel of dA, dD, ddb; or a time tile of dB, dC
     queue = np.zeros(1, dtype=np.int64)
     for _w in prange(n_workers):
+        acc = np.empty((2, N), dtype=dB.dtype)
+        acc_B, acc_C = acc[0], acc[1]
         item = _take(queue)
         while item < n_items:
             if item < dim:
                 d = item
                 for n in range(N):
-                    acc = dA_part[0, d, n]
+                    a = dA_part[0, d, n]
                     for b in range(1, batch):
-                        acc += dA_part[b, d, n]
-                    dA[d, n] = acc
-                acc_D = dD_part[0, d]
-                acc_b = ddb_part[0, d]
+                        a += dA_part[b, d, n]
+                    dA[d, n] = a
+                a_D = dD_part[0, d]
+                a_b = ddb_part[0, d]
                 for b in range(1, batch):
-                    acc_D += dD_part[b, d]
-                    acc_b += ddb_part[b, d]
-                dD[d] = acc_D
-                ddb[d] = acc_b
+                    a_D += dD_part[b, d]
+                    a_b += ddb_part[b, d]
+                dD[d] = a_D
+                ddb[d] = a_b
             else:
-                b = (item - dim) // N
-                n = item - dim - b * N
-                for t in range(L):
-                    acc_B = dB_part[b, 0, t, n]
-                    acc_C = dC_part[b, 0, t, n]
-                    for k in range(1, n_blocks):
-                        acc_B += dB_part[b, k, t, n]
-                        acc_C += dC_part[b, k, t, n]
-                    dB[b, n, t] = acc_B
-                    dC[b, n, t] = acc_C
+                b = (item - dim) // n_tiles
+                t0 = (item - dim - b * n_tiles) * chunk
+                for t in range(t0, min(L, t0 + chunk)):
+                    for n in range(N):
+                        acc_B[n] = dB_part[b, 0, t, n]
+                        acc_C[n] = dC_part[b, 0, t, n]
+                    for k in range(1, n_groups):
+                        for n in range(N):
+                            acc_B[n] += dB_part[b, k, t, n]
+                            acc_C[n] += dC_part[b, k, t, n]
+                    for n in range(N):
+                        dB[b, n, t] = acc_B[n]
+                        dC[b, n, t] = acc_C[n]
             item = _take(queue)
 
 
-@njit(parallel=True, **_jit)
+@njit(parallel=True, **_vec)
 def _backward_kernel(dout, dlast, u, delta, A, Bt, Ct, D, z, delta_bias, softplus, has_z,
-                     chunk, ckpt, n_blocks, n_workers,
+                     chunk, ckpt, n_groups, n_workers,
                      du, ddelta, dz, dA, dB, dC, dD, ddb):
     # dout, u, delta, z, du, ddelta, dz: (batch, dim, L)   dlast: (batch, dim, N)
     # A, dA: (dim, N)   Bt, Ct: (batch, L, N)   dB, dC: (batch, N, L)
     # D, delta_bias, dD, ddb: (dim,)   ckpt: (batch, dim, n_chunks, N)
     batch, dim, L = u.shape
     N = A.shape[1]
+    n_blocks = -(-dim // W)
+    one = u.dtype.type(1)
+    zero = u.dtype.type(0)
     dA_part = np.empty((batch, dim, N), dtype=u.dtype)
     dD_part = np.empty((batch, dim), dtype=u.dtype)
     ddb_part = np.empty((batch, dim), dtype=u.dtype)
-    dB_part = np.empty((batch, n_blocks, L, N), dtype=u.dtype)
-    dC_part = np.empty((batch, n_blocks, L, N), dtype=u.dtype)
-    n_items = batch * n_blocks                  # one (sequence, channel block) each
+    dB_part = np.empty((batch, n_groups, L, N), dtype=u.dtype)
+    dC_part = np.empty((batch, n_groups, L, N), dtype=u.dtype)
+    n_items = batch * n_groups                  # one (sequence, group of blocks) each
     queue = np.zeros(1, dtype=np.int64)
     for _w in prange(n_workers):
-        hbuf = np.empty((chunk + 1, N), dtype=u.dtype)
-        abuf = np.empty((chunk, N), dtype=u.dtype)
-        G = np.empty((chunk, N), dtype=u.dtype)
-        vbuf = np.empty((5, chunk), dtype=u.dtype)
-        g = np.empty(N, dtype=u.dtype)
+        Ab = np.empty((N, W), dtype=u.dtype)
+        g = np.empty((N, W), dtype=u.dtype)              # adjoint carry a_{t+1} G_{t+1}
+        dAb = np.empty((N, W), dtype=u.dtype)
+        hb = np.empty((chunk + 1, N, W), dtype=u.dtype)   # hb[i + 1] = h_{t0+i}
+        ab = np.empty((chunk, N, W), dtype=u.dtype)       # ab[i] = a_{t0+i}
+        lanes = np.empty((9, chunk + 1, W), dtype=u.dtype)
+        dtb, ub, dtub, dspb, yb = lanes[0], lanes[1], lanes[2], lanes[3], lanes[4]
+        dyb, zb, dub, ddtb = lanes[5], lanes[6], lanes[7], lanes[8]
+        # lane accumulators. Codegen is touchy here: s_bg / s_aq as separate arrays, or
+        # the y update below made conditional on has_z, measured the backward ~2x slower.
+        acc = np.empty((5, W), dtype=u.dtype)
+        Db, s_bg, s_aq, dD_acc, ddb_acc = acc[0], acc[1], acc[2], acc[3], acc[4]
         item = _take(queue)
         while item < n_items:
-            b = item // n_blocks
-            k = item - b * n_blocks
+            b = item // n_groups
+            k = item - b * n_groups
             dB_blk, dC_blk = dB_part[b, k], dC_part[b, k]
             dB_blk[:] = 0
             dC_blk[:] = 0
-            for d in range(k * dim // n_blocks, (k + 1) * dim // n_blocks):
-                dD_part[b, d], ddb_part[b, d] = _channel_backward(
-                    b, d, dout, dlast, u, delta, A, Bt, Ct, D, z, delta_bias, softplus, has_z,
-                    chunk, ckpt, hbuf, abuf, G, vbuf, g, dA_part[b, d], du, ddelta, dz,
-                    dB_blk, dC_blk)
+            for blk in range(k * n_blocks // n_groups, (k + 1) * n_blocks // n_groups):
+                d0 = blk * W
+                nw = min(W, dim - d0)
+                _block_params(A, D, d0, nw, Ab, Db)
+                for w in range(W):
+                    dD_acc[w] = 0
+                    ddb_acc[w] = 0
+                for n in range(N):
+                    for w in range(W):
+                        g[n, w] = dlast[b, d0 + w, n] if w < nw else zero
+                        dAb[n, w] = 0
+                for c in range(ckpt.shape[2] - 1, -1, -1):
+                    t0 = c * chunk
+                    t1 = min(L, t0 + chunk)
+                    T = t1 - t0
+                    _block_dt(delta, u, delta_bias, softplus, b, d0, nw, t0, T, dtb, ub, dtub,
+                              dspb, True)
+                    # states and decays from the checkpoint: hb[i + 1] = h_{t0+i}, ab[i] = a_{t0+i}
+                    h0 = hb[0]
+                    for n in range(N):
+                        for w in range(W):
+                            h0[n, w] = ckpt[b, d0 + w, c, n] if w < nw else zero
+                    for i in range(T):
+                        y = yb[i]
+                        for w in range(W):
+                            y[w] = 0
+                        h_prev, h_next, a_i = hb[i], hb[i + 1], ab[i]
+                        for n in range(N):
+                            B_n = Bt[b, t0 + i, n]
+                            C_n = Ct[b, t0 + i, n]
+                            for w in range(W):
+                                a = _exp(dtb[i, w] * Ab[n, w])
+                                a_i[n, w] = a
+                                h_n = a * h_prev[n, w] + dtub[i, w] * B_n
+                                h_next[n, w] = h_n
+                                y[w] += C_n * h_n
+                    # through the gate: dy = dout * silu(z), dz = dout * y * silu'(z)
+                    _load_block(dout, b, d0, nw, t0, T, dyb)
+                    if has_z:
+                        _load_block(z, b, d0, nw, t0, T, zb)
+                        for i in range(T):
+                            for w in range(W):
+                                y_i = yb[i, w] + Db[w] * ub[i, w]
+                                z_i = zb[i, w]
+                                s = _sigmoid(z_i, one)
+                                dout_i = dyb[i, w]
+                                yb[i, w] = dout_i * y_i * (s * (one + z_i * (one - s)))   # dz
+                                dyb[i, w] = dout_i * (z_i * s)
+                        _store_block(yb, dz, b, d0, nw, t0, T)
+                    # the reverse scan G_t = C_t dy_t + a_{t+1} G_{t+1} with the local gradients
+                    for i in range(T - 1, -1, -1):
+                        for w in range(W):
+                            s_bg[w] = 0
+                            s_aq[w] = 0
+                        h_prev, h_i, a_i = hb[i], hb[i + 1], ab[i]
+                        for n in range(N):
+                            B_n = Bt[b, t0 + i, n]
+                            C_n = Ct[b, t0 + i, n]
+                            sB = zero
+                            sC = zero
+                            for w in range(W):
+                                G = C_n * dyb[i, w] + g[n, w]
+                                a = a_i[n, w]
+                                q = G * a * h_prev[n, w]
+                                s_bg[w] += B_n * G
+                                s_aq[w] += Ab[n, w] * q
+                                dAb[n, w] += dtb[i, w] * q
+                                sB += dtub[i, w] * G
+                                sC += dyb[i, w] * h_i[n, w]
+                                g[n, w] = a * G
+                            dB_blk[t0 + i, n] += sB
+                            dC_blk[t0 + i, n] += sC
+                        for w in range(W):
+                            dy = dyb[i, w]
+                            dt = dtb[i, w]
+                            dub[i, w] = Db[w] * dy + dt * s_bg[w]
+                            dD_acc[w] += dy * ub[i, w]
+                            ddt = (s_aq[w] + ub[i, w] * s_bg[w]) * dspb[i, w]
+                            ddtb[i, w] = ddt
+                            ddb_acc[w] += ddt
+                    _store_block(dub, du, b, d0, nw, t0, T)
+                    _store_block(ddtb, ddelta, b, d0, nw, t0, T)
+                for w in range(nw):
+                    for n in range(N):
+                        dA_part[b, d0 + w, n] = dAb[n, w]
+                    dD_part[b, d0 + w] = dD_acc[w]
+                    ddb_part[b, d0 + w] = ddb_acc[w]
             item = _take(queue)
-    _reduce_partials(dA_part, dD_part, ddb_part, dB_part, dC_part, n_workers,
+    _reduce_partials(dA_part, dD_part, ddb_part, dB_part, dC_part, chunk, n_workers,
                      dA, dD, ddb, dB, dC)
+
 
 
 # --------------------------------------------------------------------------- torch glue
@@ -491,7 +554,8 @@ def _np(t: torch.Tensor, ct: torch.dtype) -> np.ndarray:
 
 
 def _transposed(t: torch.Tensor, ct: torch.dtype) -> np.ndarray:
-    """(batch, N, L) -> contiguous (batch, L, N): the kernels' inner loop over n is contiguous."""
+    """(batch, N, L) -> contiguous (batch, L, N): the kernels read B_t[n], C_t[n] for all n
+    at each time step."""
     return t.detach().to(ct).transpose(1, 2).contiguous().numpy()
 
 
@@ -502,8 +566,9 @@ def _optional(t, ct, shape):
     return _np(t, ct)
 
 
-def _n_blocks(batch: int, dim: int) -> int:
-    return max(1, min(dim, -(-WORK_ITEMS // max(batch, 1))))
+def _n_groups(batch: int, dim: int) -> int:
+    """Groups of W-channel blocks per sequence in the backward (shapes only, see WORK_ITEMS)."""
+    return max(1, min(-(-dim // W), -(-WORK_ITEMS // max(batch, 1))))
 
 
 def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus):
@@ -545,7 +610,7 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
                      _np(u, ct), _np(delta, ct), _np(A, ct), _transposed(B, ct),
                      _transposed(C, ct), _optional(D, ct, (dim,)), _optional(z, ct, (1, 1, 1)),
                      _optional(delta_bias, ct, (dim,)), bool(delta_softplus), z is not None,
-                     int(chunk), _np(ckpt, ct), _n_blocks(batch, dim), n_workers,
+                     int(chunk), _np(ckpt, ct), _n_groups(batch, dim), n_workers,
                      du.numpy(), ddelta.numpy(), dz.numpy(), dA.numpy(), dB.numpy(), dC.numpy(),
                      dD.numpy(), ddb.numpy())
     return (du.to(u.dtype), ddelta.to(delta.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
