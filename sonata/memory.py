@@ -91,7 +91,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 def fmt_mib(n: float) -> str:
     if abs(n) < MiB / 10:
         return f"{n / 1024:,.1f} KiB" if abs(n) >= 1024 else f"{n:,.0f} B"
-    return f"{n / MiB:,.1f} MiB"
+    return f"{n / MiB:,.2f} MiB" if abs(n) < MiB else f"{n / MiB:,.1f} MiB"
 
 
 class PeakSampler:
