@@ -592,23 +592,46 @@ class Trainer:
         return None
 
     def _guarded_step(self) -> dict:
-        """train_step between the guard's two checks; an allocation failure inside the
-        step becomes MemoryBudgetExceeded (the gradients of the failed step are dropped)."""
-        if self._ddp:
-            return self._guarded_step_distributed()
-        self.guard.check_before_step(self.step)
+        """train_step between the guard's two checks. Alone, a trip raises at once; in
+        DDP the ranks first agree (every rank learns of any rank's trip and all stop at
+        the same step). An allocation failure inside the step becomes
+        MemoryBudgetExceeded (the gradients of the failed step are dropped)."""
+        ddp = self._ddp
+        if ddp:
+            trip_at = distributed.test_trip_step(self.rank)
+            if trip_at is not None and self.step == trip_at:     # test-only: see sonata.distributed
+                self.guard.budget = 1
+        _, err = self._check(lambda: self.guard.check_before_step(self.step))
+        if ddp:
+            self._agree_on_trip(err)
         try:
             row = self.train_step()
         except Exception as e:
+            # in DDP an allocation failure inside the step cannot be agreed on (the other
+            # ranks are inside DDP's all-reduce): this rank stops and the others learn it
+            # from the process group (a closed connection, or the timeout)
             self.guard.abort_step()
             if not is_out_of_memory(e):
                 raise
             self.optimizer.zero_grad(set_to_none=True)
             self._leaked.clear()
             raise self.guard.out_of_memory(self.step, e) from None
-        row["mem_bytes"] = self.guard.after_step(self.step)
+        row["mem_bytes"], err = self._check(lambda: self.guard.after_step(self.step))
         row["step_peak_bytes"] = self.guard.peak_last
+        if ddp:
+            self._step_maxima = self._agree_on_trip(
+                err, [peak_memory_bytes(self.device), self.guard.peak_last,
+                      (self._stop.signum if self._stop is not None else None) or 0])
         return row
+
+    def _check(self, check):
+        """(check(), None); in DDP a trip is returned as (None, error) to be agreed on."""
+        if not self._ddp:
+            return check(), None
+        try:
+            return check(), None
+        except MemoryBudgetExceeded as e:
+            return None, e
 
     def _agree_on_trip(self, err: MemoryBudgetExceeded | None, extra=()) -> list[float]:
         """Every rank says whether its guard tripped (one MAX all-reduce, with `extra`
@@ -629,39 +652,6 @@ class Trainer:
             msg = f"{where}: {msg}"
         budget = err.budget_bytes if err is not None else self.guard.budget
         raise MemoryBudgetExceeded(msg, budget, err.used_bytes if err is not None else 0)
-
-    def _guarded_step_distributed(self) -> dict:
-        trip_at = distributed.test_trip_step(self.rank)
-        if trip_at is not None and self.step == trip_at:     # test-only: see sonata.distributed
-            self.guard.budget = 1
-        err = None
-        try:
-            self.guard.check_before_step(self.step)
-        except MemoryBudgetExceeded as e:
-            err = e
-        self._agree_on_trip(err)
-        try:
-            row = self.train_step()
-        except Exception as e:
-            # an allocation failure inside the step cannot be agreed on (the other ranks
-            # are inside DDP's all-reduce): this rank stops and the others learn it from
-            # the process group (a closed connection, or the timeout)
-            self.guard.abort_step()
-            if not is_out_of_memory(e):
-                raise
-            self.optimizer.zero_grad(set_to_none=True)
-            self._leaked.clear()
-            raise self.guard.out_of_memory(self.step, e) from None
-        err = None
-        try:
-            row["mem_bytes"] = self.guard.after_step(self.step)
-        except MemoryBudgetExceeded as e:
-            err = e
-        row["step_peak_bytes"] = self.guard.peak_last
-        self._step_maxima = self._agree_on_trip(
-            err, [peak_memory_bytes(self.device), self.guard.peak_last,
-                  (self._stop.signum if self._stop is not None else None) or 0])
-        return row
 
     def _memory_tripped(self, e: MemoryBudgetExceeded) -> MemoryBudgetExceeded:
         self._leaked.clear()                          # a debug leak must not reach the checkpoint
