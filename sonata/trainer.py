@@ -201,54 +201,37 @@ def plan_batch(t, profile, world: int = 1) -> tuple[int, int, str]:
     effective / world sequences, which the micro-batch must divide. Raises ConfigError
     for a micro-batch above the cap or a batch that does not split."""
     eff = t.effective_batch or profile.effective_batch
-    if world > 1:
-        if eff % world:
-            raise ConfigError(f"train.effective_batch ({eff}) is the global batch and must be a "
-                              f"multiple of the number of processes ({world})")
-        per = eff // world
-        if t.fixed_micro_batch:
-            n = t.fixed_micro_batch
-            if per % n:
-                raise ConfigError(f"train.fixed_micro_batch ({n}) must divide the per-process batch "
-                                  f"(train.effective_batch {eff} / {world} processes = {per})")
-            return n, eff, (f"fixed by train.fixed_micro_batch={n}: the autotuner and the profile cap "
-                            f"({profile.max_micro_batch}) are off; accumulation {per // n} on each "
-                            f"of {world} processes")
-        if t.micro_batch:
-            if t.micro_batch > profile.max_micro_batch:
-                plan_batch(t, profile)                  # the cap's own message
-            if per % t.micro_batch:
-                raise ConfigError(f"train.micro_batch ({t.micro_batch}) must divide the per-process "
-                                  f"batch (train.effective_batch {eff} / {world} processes = {per})")
-            return t.micro_batch, eff, "train.micro_batch"
-        fitting = [c for c in profile.candidates if c <= profile.max_micro_batch and per % c == 0]
-        mb = max(fitting) if fitting else 1
-        return mb, eff, (f"largest candidate within profile {profile.name}'s cap that divides the "
-                         f"per-process batch {per} ({eff} / {world} processes)")
+    if eff % world:
+        raise ConfigError(f"train.effective_batch ({eff}) is the global batch and must be a "
+                          f"multiple of the number of processes ({world})")
+    per = eff // world
+    split = f" (train.effective_batch {eff} / {world} processes = {per})" if world > 1 else ""
     if t.fixed_micro_batch:
         n = t.fixed_micro_batch
-        if eff % n:
-            how = (f"fixed by train.fixed_micro_batch={n}: the autotuner and the profile cap "
-                   f"({profile.max_micro_batch}) are off; effective batch {n}, not {eff}, "
-                   f"which is not a multiple of {n}")
-            eff = n
-        else:
-            how = (f"fixed by train.fixed_micro_batch={n}: the autotuner and the profile cap "
-                   f"({profile.max_micro_batch}) are off; accumulation {eff // n}")
-        return n, eff, how
+        how = (f"fixed by train.fixed_micro_batch={n}: the autotuner and the profile cap "
+               f"({profile.max_micro_batch}) are off; ")
+        if per % n == 0:
+            return n, eff, how + f"accumulation {per // n}" + (f" on each of {world} processes"
+                                                              if world > 1 else "")
+        if world > 1:
+            raise ConfigError(f"train.fixed_micro_batch ({n}) must divide the per-process batch{split}")
+        # one process: a peak micro-benchmark of n sequences, whatever the effective batch
+        return n, n, how + f"effective batch {n}, not {eff}, which is not a multiple of {n}"
     if t.micro_batch:
         if t.micro_batch > profile.max_micro_batch:
             raise ConfigError(
                 f"train.micro_batch={t.micro_batch} is above profile {profile.name}'s cap of "
                 f"{profile.max_micro_batch}; raise profile.max_micro_batch, or use "
                 f"train.fixed_micro_batch={t.micro_batch} for a peak micro-benchmark")
-        if eff % t.micro_batch:
-            raise ConfigError(f"train.effective_batch ({eff}) must be a multiple of "
+        if per % t.micro_batch:
+            raise ConfigError(f"train.micro_batch ({t.micro_batch}) must divide the per-process batch{split}"
+                              if world > 1 else f"train.effective_batch ({eff}) must be a multiple of "
                               f"train.micro_batch ({t.micro_batch})")
         return t.micro_batch, eff, "train.micro_batch"
-    fitting = [c for c in profile.candidates if c <= profile.max_micro_batch and eff % c == 0]
+    fitting = [c for c in profile.candidates if c <= profile.max_micro_batch and per % c == 0]
     mb = max(fitting) if fitting else 1
-    return mb, eff, f"largest candidate within profile {profile.name}'s cap that divides {eff}"
+    return mb, eff, (f"largest candidate within profile {profile.name}'s cap that divides "
+                     + (f"the per-process batch {per} ({eff} / {world} processes)" if world > 1 else f"{eff}"))
 
 
 class Trainer:
