@@ -26,7 +26,8 @@ is raised. The leak detector follows the memory after each step and warns once.
 `debug.leak` reproduces two classic leaks on purpose (notebook 03): `keep_graph`
 keeps every step's loss with its autograd graph (the backward retains the graph, so
 its saved activations stay alive), `keep_activations` keeps each micro-step's
-logits and block outputs. Off by default; every metrics row names it when on.
+logits (detached: the activations outlive the backward, the graph does not). Off by
+default; every metrics row names it when on.
 
 Data parallel (sonata.distributed; `torchrun -m sonata train` or `python -m sonata
 train --nproc N`). `train.effective_batch` is the GLOBAL batch: each of the W ranks
