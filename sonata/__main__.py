@@ -105,7 +105,16 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _single_process(command: str, instead: str) -> None:
+    """autotune and bench measure one process; under torchrun every rank would run them."""
+    import os
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        raise SonataError(f"'{command}' runs in one process, not under torchrun; {instead}")
+
+
 def cmd_autotune(args) -> int:
+    _single_process("autotune", "for data-parallel runs use 'train train.autotune=true' "
+                                "(rank 0 tunes and broadcasts its choice)")
     from sonata.autotune import AutotuneResult
     from sonata.config import make_config
     from sonata.plots import table
@@ -131,6 +140,7 @@ def cmd_autotune(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    _single_process("bench", "run it without torchrun")
     from sonata import bench
     from sonata.plots import table
 
