@@ -23,7 +23,7 @@ def print_table(headers, rows, title=None):
 
 def hardware_line(device="cpu") -> str:
     import platform
-    dev = torch.cuda.get_device_name(0) if torch.device(device).type == "cuda" else (
-        platform.processor() or platform.machine())
-    return (f"hardware: {dev}; torch {torch.__version__}; threads {torch.get_num_threads()}; "
+
+    from sonata.bench import hardware_name
+    return (f"hardware: {hardware_name(torch.device(device))}; torch {torch.__version__}; "
             f"python {platform.python_version()}")

@@ -81,6 +81,22 @@ def current_bytes(device: torch.device) -> int:
     return rss_bytes()
 
 
+def peak_memory_bytes(device: torch.device) -> int:
+    """The process's peak so far: the allocator's on CUDA, the peak resident set on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    mi = psutil.Process().memory_info()
+    return int(getattr(mi, "peak_wset", 0) or _ru_maxrss() or mi.rss)
+
+
+def _ru_maxrss() -> int:
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except (ImportError, OSError):
+        return 0
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """An allocation failure, recognized by type (CUDA and CPU allocators both raise
     torch.OutOfMemoryError in recent PyTorch)."""

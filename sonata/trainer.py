@@ -62,7 +62,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import psutil
 import torch
 import torch.nn.functional as F
 
@@ -74,7 +73,7 @@ from sonata.data import BatchSampler, Corpus, Vocab, build_corpus, d2h, h2d, val
 from sonata.config import resolve_profile
 from sonata.errors import CheckpointError, ConfigError, TrainingDiverged, TrainingInterrupted
 from sonata.memory import (LeakDetector, MemoryBudgetExceeded, MemoryGuard, available_ram_bytes,
-                           current_bytes, device_total_bytes, is_out_of_memory,
+                           device_total_bytes, is_out_of_memory, peak_memory_bytes,
                            release_free_memory)
 from sonata.kernels.timing import sync
 from sonata.model import MambaLM, param_groups
@@ -125,21 +124,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    mi = psutil.Process().memory_info()
-    return int(getattr(mi, "peak_wset", 0) or _ru_maxrss() or mi.rss)
-
-
-def _ru_maxrss() -> int:
-    try:
-        import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    except (ImportError, OSError):
-        return 0
 
 
 @dataclass
