@@ -166,7 +166,7 @@ def torch_threads() -> int:
 
 
 def cmd_generate(args) -> int:
-    from sonata.trainer import generate_text, load_model
+    from sonata.generate import generate_text, load_model
 
     if args.n < 1 or args.max_new_tokens < 0:
         raise SonataError("--n must be >= 1 and --max-new-tokens >= 0")

@@ -11,7 +11,8 @@ from sonata import checkpoint as ckpt
 from sonata.config import PRESETS, Config, ProfileConfig, make_config, resolve_profile
 from sonata.errors import ConfigError
 from sonata.memory import LeakDetector, MemoryBudgetExceeded, MemoryGuard, median_step_growth, rss_bytes
-from sonata.trainer import Trainer, load_model, plan_batch
+from sonata.generate import load_model
+from sonata.trainer import Trainer, plan_batch
 from test_train import _assert_one_error_line, run_cli
 
 GiB = 2**30

@@ -15,7 +15,8 @@ from sonata import checkpoint as ckpt
 from sonata.config import Config, ProfileConfig, apply_overrides, make_config, resolve_profile
 from sonata.data import BatchSampler
 from sonata.errors import ConfigError
-from sonata.trainer import Trainer, load_model, plan_batch
+from sonata.generate import load_model
+from sonata.trainer import Trainer, plan_batch
 from test_train import _assert_one_error_line
 
 STEPS = 6

@@ -7,7 +7,8 @@ import torch
 
 from conftest import REPO, tiny_overrides
 from sonata.config import make_config
-from sonata.trainer import Trainer, generate_text, load_model, lr_at
+from sonata.generate import generate_text, load_model
+from sonata.trainer import Trainer, lr_at
 
 
 def run_cli(*args, cwd=None, timeout=300):
