@@ -43,3 +43,42 @@ def generate_text(model: MambaLM, vocab: Vocab, prompt: str = "Once upon a time"
     return texts
 
 
+
+
+@torch.no_grad()
+def stream_text(model: MambaLM, vocab: Vocab, prompt: str = "Once upon a time", max_new_tokens: int = 200,
+                temperature: float = 0.8, top_k: int = 40, seed: int = 0):
+    """Yield the continuation of `prompt` piece by piece as tokens are sampled (one
+    sequence); each piece is complete UTF-8 text; stops at <|endoftext|>."""
+    import codecs
+
+    import torch.nn.functional as F
+    dev = next(model.parameters()).device
+    g = torch.Generator(device=dev)
+    g.manual_seed(seed)
+    states = [layer.mixer.empty_state(1, dev) for layer in model.layers]
+    logits = None
+    for t in vocab.encode(prompt):
+        logits, states = model.step(torch.tensor([t], device=dev), states)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for _ in range(max_new_tokens):
+        if logits is None:
+            break
+        if temperature <= 0:
+            nxt = logits.argmax(-1)
+        else:
+            lg = logits.float() / temperature
+            if top_k:
+                kth = lg.topk(min(top_k, lg.shape[-1]), dim=-1).values[:, -1:]
+                lg = lg.masked_fill(lg < kth, float("-inf"))
+            nxt = torch.multinomial(F.softmax(lg, -1), 1, generator=g)[:, 0]
+        tok = int(nxt)
+        if tok == vocab.EOT_ID:
+            break
+        piece = decoder.decode(vocab.decode_bytes([tok]))
+        if piece:
+            yield piece
+        logits, states = model.step(nxt, states)
+    tail = decoder.decode(b"", final=True)
+    if tail:
+        yield tail
