@@ -94,8 +94,8 @@ def cmd_train(args) -> int:
         apply_overrides(cfg, args.overrides)
         trainer = Trainer(cfg, out, state=state, progress=args.progress)
     except SonataError as e:
-        e.all_ranks = True        # the same arguments and files on every rank: rank 0 says it
-        raise
+        _print_error(e, agreed=True)   # the same arguments and files on every rank: rank 0 says it
+        return EXIT_USAGE
     summary = trainer.run()
     if not distributed.is_main():
         return 0
@@ -131,7 +131,7 @@ def cmd_autotune(args) -> int:
     p = trainer.profile
     print(f"profile {p.name}: budget {p.memory_budget_mb:,} MiB ({p.budget_source}), "
           f"max micro-batch {p.max_micro_batch}, effective batch {res['effective_batch']}, "
-          f"precision {cfg.train.precision}, device {trainer.device}, threads {torch_threads()}")
+          f"precision {trainer.plan.precision}, device {trainer.device}, threads {torch_threads()}")
     r = AutotuneResult(**res)
     print(repr(table(r.rows())))
     print(f"chosen: micro-batch {r.micro_batch} x accumulation {r.accumulation} = "
@@ -182,11 +182,11 @@ def _dist():
     return sys.modules.get("sonata.distributed")
 
 
-def _print_error(e: BaseException) -> None:
+def _print_error(e: BaseException, agreed: bool = False) -> None:
     """One `error:` line. Data parallel: an error every rank raised (an agreed stop, bad
     input) is printed by rank 0 only; one that only this rank met names the rank."""
     r = _dist().rank() if _dist() else 0
-    if r and getattr(e, "all_ranks", False):
+    if r and (agreed or getattr(e, "agreed", False)):
         return
     print(f"error: {f'rank {r}: ' if r else ''}{e}", file=sys.stderr, flush=True)
 
@@ -199,11 +199,11 @@ def main(argv=None) -> int:
         return code
     except TrainingInterrupted as e:
         _print_error(e)
-        together = getattr(e, "all_ranks", False)
+        together = e.agreed
         return 128 + e.signum
     except SonataError as e:
         _print_error(e)
-        together = getattr(e, "all_ranks", False)
+        together = e.agreed
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -18,10 +18,12 @@ the effective batch (so micro x accumulation equals it exactly). The choice is
 the fastest eligible candidate. Candidates above the cap are still measured, so
 the table shows what the cap costs.
 
-Profiling does not change the training run: the model, optimizer, scaler,
-sampler, step counters and every RNG are saved before and restored after, so
-training after autotuning is bit-identical to training with the chosen
-micro-batch fixed (tests/test_autotune.py checks it).
+Profiling does not change the training run: the trainer's state (model,
+optimizer, scaler, sampler, step counters, every RNG) is saved before and
+restored after (`Trainer.state_dict` / `load_state_dict`), and each candidate
+runs as its own `Plan`, so neither the trainer's plan nor the config changes.
+Training with the returned plan is bit-identical to training with the chosen
+micro-batch fixed (tests/test_autotune_memory.py checks it).
 """
 from __future__ import annotations
 
@@ -32,8 +34,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from sonata import kernels
+from sonata import distributed
+from sonata.errors import SonataError
 from sonata.memory import PeakSampler, fmt_mib, is_out_of_memory, release_free_memory
+from sonata.plan import Plan
 
 WARMUP_STEPS = 2
 MEASURED_STEPS = 3
@@ -84,46 +88,19 @@ class AutotuneResult:
         return out
 
 
-def _snapshot(trainer) -> dict:
-    from sonata.trainer import rng_state
-    return copy.deepcopy({
-        "model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-        "scaler": trainer.scaler.state_dict(), "sampler": trainer.sampler.state_dict(),
-        "step": trainer.step, "tokens": trainer.tokens, "counters": dict(trainer.counters),
-        "consecutive": trainer._consecutive_nonfinite, "rng": rng_state(),
-        "micro_batch": trainer.cfg.train.micro_batch, "effective_batch": trainer.cfg.train.effective_batch,
-        "fallbacks": kernels.fallback_count()})
-
-
-def _restore(trainer, snap: dict) -> None:
-    from sonata.trainer import set_rng_state
-    trainer.model.load_state_dict(snap["model"])
-    trainer.optimizer.load_state_dict(snap["optimizer"])
-    if snap["scaler"]:
-        trainer.scaler.load_state_dict(snap["scaler"])
-    trainer.sampler.load_state_dict(snap["sampler"])
-    trainer.step, trainer.tokens = snap["step"], snap["tokens"]
-    trainer.counters.clear()
-    trainer.counters.update(snap["counters"])
-    trainer._consecutive_nonfinite = snap["consecutive"]
-    trainer.cfg.train.micro_batch = snap["micro_batch"]
-    trainer.cfg.train.effective_batch = snap["effective_batch"]
-    trainer.optimizer.zero_grad(set_to_none=True)
-    set_rng_state(snap["rng"])
-
-
-def autotune(trainer, warmup: int = WARMUP_STEPS, steps: int = MEASURED_STEPS,
-             progress=None) -> AutotuneResult:
-    """Measure the profile's candidates on `trainer` and return the table and choice.
-    The trainer's state is left exactly as it was (its batch is not changed: see
-    `Trainer.apply_autotune`)."""
+def autotune(trainer, base: Plan | None = None, warmup: int = WARMUP_STEPS,
+             steps: int = MEASURED_STEPS, progress=None) -> AutotuneResult:
+    """Measure the profile's candidates on `trainer` for the batch of `base` (default:
+    the trainer's plan; one process's plan: see Plan.alone) and return the table and
+    the choice (`AutotuneResult.plan(base)` is the plan to train with). The trainer's
+    state is left exactly as it was."""
     prof = trainer.profile
-    t = trainer.cfg.train
-    eff = t.effective_batch
+    base = base or trainer.plan
+    eff = base.effective_batch
     budget = prof.memory_budget_bytes
     res = AutotuneResult(profile=prof.to_dict(), effective_batch=eff, budget_bytes=budget)
     t_start = time.perf_counter()
-    snap = _snapshot(trainer)
+    snap = copy.deepcopy(trainer.state_dict())
     release_free_memory(trainer.device)
     last_peak = last_mb = per_seq = None
     try:
@@ -139,19 +116,19 @@ def autotune(trainer, warmup: int = WARMUP_STEPS, steps: int = MEASURED_STEPS,
                 if progress:
                     progress.update(1)
                 continue
-            _restore(trainer, snap)
+            trainer.load_state_dict(snap)
             release_free_memory(trainer.device)
-            t.micro_batch, t.effective_batch = mb, mb * acc
+            cand = Plan(mb, acc, mb * acc, base.precision, 1, "autotune candidate")
             try:
                 times = []
                 with PeakSampler(trainer.device) as peak:
                     for i in range(warmup + steps):
-                        row = trainer.train_step()
+                        row = trainer.train_step(cand)
                         if i >= warmup:
                             times.append(row["step_s"])
                 step_s = statistics.median(times)
                 c.status, c.step_s = "measured", step_s
-                c.tok_per_s = mb * acc * trainer.cfg.data.seq_len / step_s
+                c.tok_per_s = cand.effective_batch * trainer.cfg.data.seq_len / step_s
                 c.peak_mem_bytes = peak.peak
                 c.fits = peak.peak <= budget
                 if not c.fits:
@@ -177,7 +154,7 @@ def autotune(trainer, warmup: int = WARMUP_STEPS, steps: int = MEASURED_STEPS,
             if progress:
                 progress.update(1, micro=mb, **({"tok/s": round(c.tok_per_s)} if c.tok_per_s else {}))
     finally:
-        _restore(trainer, snap)
+        trainer.load_state_dict(snap)
     eligible = [c for c in res.table if c.eligible]
     if eligible:
         best = max(eligible, key=lambda c: c.tok_per_s)
@@ -192,45 +169,42 @@ def autotune(trainer, warmup: int = WARMUP_STEPS, steps: int = MEASURED_STEPS,
     return res
 
 
-def sustained_and_peak(overrides, sustained_steps: int, peak_micro: int, peak_steps: int,
-                       progress: str | None = None) -> list[dict]:
-    """The dossier's two figures, measured side by side on this machine:
+def choose_plan(trainer, progress=None) -> tuple[Plan, dict]:
+    """Autotune `trainer` and return (the plan to train with, the result as a dict).
 
-    - *sustained*: a training run under the profile's default batch (micro-batch within
-      the cap, accumulation up to the effective batch), `sustained_steps` steps with
-      its validation and checkpointing as configured;
-    - *peak micro-benchmark*: `train.fixed_micro_batch=peak_micro` (no cap), a few
-      steps, no validation until the end and that on one window.
-
-    Each row gives three readings: end to end (tokens / wall time of the whole run),
-    steps only (the trainer's sustained figure: step time alone, warm-up excluded) and
-    the single best step."""
-    import warnings
-
-    from sonata.config import make_config
-    from sonata.trainer import MEASURE_SKIP, Trainer
-
-    runs = [("sustained (profile default)", list(overrides) + [f"train.max_steps={sustained_steps}"]),
-            (f"peak micro-benchmark (fixed micro-batch {peak_micro})",
-             list(overrides) + [f"train.max_steps={peak_steps}", f"train.fixed_micro_batch={peak_micro}",
-                                "train.eval_every=0", "train.eval_tokens=1"])]
-    rows = []
-    for name, ov in runs:
-        cfg = make_config(ov)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)     # the fixed-batch warning: this row says it
-            tr = Trainer(cfg, None, progress=progress)
-        s = tr.run()
-        steps = [r["tok_per_s"] for r in tr.history[MEASURE_SKIP:]] or [r["tok_per_s"] for r in tr.history]
-        step_s = sum(r["step_s"] for r in tr.history)
-        rows.append({"run": name, "profile": tr.profile.name,
-                     "micro x accum": f"{s['micro_batch']} x {s['accumulation']}",
-                     "steps": s["steps"], "tokens": s["tokens"],
-                     "end-to-end tok/s": round(s["tokens"] / s["wall_s"]),
-                     "steps-only tok/s": round(s["tok_per_s_sustained"] or 0),
-                     "best step tok/s": round(max(steps)),
-                     "outside steps s": round(s["wall_s"] - step_s, 2)})
-    return rows
+    Data parallel: rank 0 measures the candidates alone, on the bare model (no
+    collectives, so nothing can leave the ranks out of step), for its share of the
+    batch (the micro-batch decides per-process throughput and memory); the other ranks
+    wait (a long-timeout group) and take its choice, so every rank trains with the
+    same micro-batch. Call it before the model is wrapped in DDP. Raises SonataError
+    (agreed over ranks) when no candidate is eligible."""
+    plan, world = trainer.plan, trainer.world
+    if world == 1:
+        res = autotune(trainer, progress=progress).to_dict()
+    else:
+        outcome = None
+        if trainer.is_main:
+            try:
+                outcome = {"result": autotune(trainer, base=plan.alone(), progress=progress).to_dict()}
+            except SonataError as e:
+                outcome = {"error": str(e)}
+            except Exception as e:       # noqa: BLE001 - the others must not wait forever
+                outcome = {"error": f"autotune failed on rank 0: {type(e).__name__}: {e}"}
+                raise
+            finally:
+                outcome = distributed.broadcast_object(outcome, src=0, wait=True)
+        else:
+            outcome = distributed.broadcast_object(None, src=0, wait=True)
+        if "error" in outcome:
+            raise SonataError(outcome["error"], agreed=True)
+        res = outcome["result"]
+    if res["micro_batch"] is None:
+        raise SonataError(f"autotune: {res['reason']}",
+                          "raise profile.memory_budget_mb or use train.fixed_micro_batch", agreed=world > 1)
+    how = (f"autotuned: {res['reason']}" if world == 1 else
+           f"autotuned on rank 0 for the per-process batch {res['effective_batch']} "
+           f"(global {plan.effective_batch} / {world} processes): {res['reason']}")
+    return plan.with_batch(res["micro_batch"], how), res
 
 
 def cap_cost(result: dict) -> dict:

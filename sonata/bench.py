@@ -18,21 +18,36 @@ reason per failed check. A run with `debug.leak` on is always INVALID: it is a
 reproduction of a bug, never a speed.
 
     python -m sonata bench [key=value ...] [--steps N] [--json]
+
+Beside it, the throughput studies of the notebooks: `sustained_and_peak` (a training
+run under its profile against a fixed-batch micro-benchmark), `measure_scaling` (1
+against N data-parallel processes at one global batch) and `sync_pitfall` (a clock
+read with and without synchronizing the device). Each returns records; the notebooks
+write the sentences.
 """
 from __future__ import annotations
 
+import json
 import math
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
+import time
 import warnings
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from sonata import kernels
 from sonata.config import make_config
+from sonata.device import sync
 from sonata.errors import TrainingDiverged
 from sonata.memory import LeakDetector, MemoryBudgetExceeded, fmt_mib, release_free_memory
+from sonata.trainer import MEASURE_SKIP, Trainer
 
 DEFAULT_STEPS = 24      # >= the leak detector's skip (2) + window (16) + a few
 DEFAULT_WARMUP = 3
@@ -56,7 +71,8 @@ class RunRecord:
     nonfinite: int
     fallbacks: int
     h2d_bytes_in_steps: int
-    stopped: str | None              # guard trip or divergence message
+    stopped: str | None              # guard trip or divergence: its first reason
+    guard_tripped: bool = False
     warnings: list = field(default_factory=list)   # sonata's warnings during the run
 
 
@@ -129,27 +145,25 @@ def _windows(history: list[dict], warmup: int, window: int, step_tokens: int) ->
 def run_once(overrides, steps: int, warmup: int, window: int, seed: int | None = None,
              progress: str | None = "none") -> tuple[RunRecord, object]:
     """One measured run. Returns its record and the trainer (for the caller's plots)."""
-    from sonata.trainer import Trainer
-
     ov = list(overrides) + [f"train.max_steps={steps}", "train.eval_every=0", "train.eval_tokens=1",
                             "train.checkpoint_every=0"]
     if seed is not None:
         ov.append(f"train.seed={seed}")
     cfg = make_config(ov)
     release_free_memory()
-    stopped = None
+    stopped, tripped = None, False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         tr = Trainer(cfg, None, progress=progress)
         try:
             tr.run()
         except (MemoryBudgetExceeded, TrainingDiverged) as e:
-            stopped = f"{type(e).__name__}: {str(e).split('; ')[0]}"
+            stopped, tripped = f"{type(e).__name__}: {e.what}", isinstance(e, MemoryBudgetExceeded)
         finally:
-            tr._leaked.clear()           # a debug leak ends with its run
+            tr.injected_leak.clear()     # a debug leak ends with its run
     notes = [str(w.message) for w in caught if str(w.message).startswith("sonata:")]
     hist = tr.history
-    seq_tokens = cfg.train.effective_batch * cfg.data.seq_len
+    seq_tokens = tr.plan.effective_batch * cfg.data.seq_len
     wins = _windows(hist, warmup, window, seq_tokens)
     total_s = sum(r["step_s"] for r in hist)
     leak = LeakDetector()
@@ -165,7 +179,7 @@ def run_once(overrides, steps: int, warmup: int, window: int, seed: int | None =
         mem_slope_bytes_per_step=leak.slope(), leak=leak.leaking(),
         nonfinite=int(tr.counters["nonfinite_steps"]),
         fallbacks=kernels.fallback_count(), h2d_bytes_in_steps=sum(r["h2d_bytes"] for r in hist),
-        stopped=stopped, warnings=notes)
+        stopped=stopped, guard_tripped=tripped, warnings=notes)
     return rec, tr
 
 
@@ -179,7 +193,7 @@ def run_bench(overrides=(), steps: int = DEFAULT_STEPS, warmup: int = DEFAULT_WA
     for s in seeds:
         rec, tr = run_once(overrides, steps, warmup, window, seed=s, progress=progress)
         runs.append(rec)
-        cfg, device = tr.cfg, tr.device
+        cfg, device, plan = tr.cfg, tr.device, tr.plan
         del tr                           # the next run starts from what is alive now
     first = runs[0]
     reasons = []
@@ -224,15 +238,15 @@ def run_bench(overrides=(), steps: int = DEFAULT_STEPS, warmup: int = DEFAULT_WA
         peak_mem_bytes=max(r.peak_mem_bytes for r in runs),
         mem_slope_bytes_per_step=max(r.mem_slope_bytes_per_step for r in runs),
         leak=bool(leaky), nonfinite=nonfinite, reproducible=reproducible, fallbacks=fallbacks,
-        h2d_bytes_in_steps=h2d, guard_tripped=any("MemoryBudgetExceeded" in s for s in stopped),
+        h2d_bytes_in_steps=h2d, guard_tripped=any(r.guard_tripped for r in runs),
         hardware=hardware_name(device), device=str(device), threads=torch.get_num_threads(),
-        precision=cfg.train.precision, backend=summary_backend, micro_batch=cfg.train.micro_batch,
-        accumulation=cfg.train.accumulation, debug_leak=cfg.debug.leak,
+        precision=plan.precision, backend=summary_backend, micro_batch=plan.micro_batch,
+        accumulation=plan.accumulation, debug_leak=cfg.debug.leak,
         verdict="INVALID" if reasons else "VALID", reasons=reasons, runs=[asdict(r) for r in runs])
 
 
 def correction_table(before: BenchRecord, after: BenchRecord, budget_bytes: int | None = None) -> list[dict]:
-    """The dossier's before/after table, every cell from the two records.
+    """A before/after table, every cell from the two records.
     `budget_bytes`: a memory budget to judge memory safety against (e.g. the laptop
     profile's); by default the projected memory after a 1,000-step run is shown."""
     def mib(b):
@@ -263,45 +277,13 @@ def correction_table(before: BenchRecord, after: BenchRecord, budget_bytes: int 
     return [{"": name, "before (leaky)": f(before), "after (fixed)": f(after)} for name, f in rows]
 
 
-def conclusion(before: BenchRecord, after: BenchRecord) -> str:
-    """What the two records say, in words, from their numbers."""
-    if before.tok_per_s and after.tok_per_s:
-        ratio = before.tok_per_s / after.tok_per_s
-        speed = (f"Here the leaky run measured {before.tok_per_s:,.0f} tokens/s against "
-                 f"{after.tok_per_s:,.0f} for the fixed one ({ratio:.2f}x). ")
-        if ratio > 1.02:
-            speed += ("It looks faster, as it did in the dossier, but the figure is INVALID: ")
-        else:
-            speed += ("On this hardware the leak does not even look faster: each kept graph is "
-                      "memory the allocator must find anew every step, and there is no slower memory "
-                      "tier for it to spill into. The dossier's leaky figure (7,676 against 5,659 "
-                      "tokens/s) came from such a spill: the leaked activations pushed its 8 GB GPU "
-                      "past its memory into shared system memory, and the overflow traffic, running in "
-                      "parallel with the kernels, masked latency in the measurement while the run was "
-                      "heading for failure. Either way ")
-    else:
-        speed = "One of the runs has no throughput figure. "
-    why = "; ".join(before.reasons) if before.reasons else "no check failed"
-    return (speed + f"the harness rejects the leaky run ({why}) and accepts the fixed one "
-            f"({after.verdict}: flat memory at {after.mem_slope_bytes_per_step / 2**20:+.2f} MiB/step, "
-            f"{after.nonfinite} non-finite steps, reproducible: {after.reproducible}). The figure to "
-            f"quote is the fixed run's {after.tok_per_s:,.0f} tokens/s, with its record.")
-
-
 def sync_pitfall(overrides=(), repeat: int = 10) -> dict:
     """Time forward+backward of one micro-batch with the clock read right after the
     Python call returns (no synchronize) and after the device has finished. On CUDA the
     first figure measures kernel launches, not work; on a CPU the two agree."""
-    import time
-
-    import torch.nn.functional as F
-
-    from sonata.kernels.timing import sync
-    from sonata.trainer import Trainer
-
     cfg = make_config(list(overrides))
     tr = Trainer(cfg, None, progress="none")
-    x, y = tr.sampler.draw(cfg.train.micro_batch)
+    x, y = tr.sampler.draw(tr.plan.micro_batch)
 
     def step():
         logits = tr.model(x)
@@ -322,9 +304,84 @@ def sync_pitfall(overrides=(), repeat: int = 10) -> dict:
             times.append(time.perf_counter() - t0)
             sync(tr.device)
         out[name] = statistics.median(times)
-    tokens = cfg.train.micro_batch * cfg.data.seq_len
+    tokens = tr.plan.micro_batch * cfg.data.seq_len
     return {"device": str(tr.device),
             "without_sync_tok_per_s": tokens / out["without synchronize"],
             "with_sync_tok_per_s": tokens / out["with synchronize"],
             "without_sync_ms": 1e3 * out["without synchronize"],
             "with_sync_ms": 1e3 * out["with synchronize"]}
+
+
+# ---------------------------------------------------------------- throughput studies
+def sustained_and_peak(overrides, sustained_steps: int, peak_micro: int, peak_steps: int,
+                       progress: str | None = None) -> list[dict]:
+    """Two throughput figures of one configuration, measured side by side:
+
+    - *sustained*: a training run under the profile's default batch (micro-batch within
+      the cap, accumulation up to the effective batch), `sustained_steps` steps with
+      its validation and checkpointing as configured;
+    - *peak micro-benchmark*: `train.fixed_micro_batch=peak_micro` (no cap), a few
+      steps, no validation until the end and that on one window.
+
+    Each row gives three readings: end to end (tokens / wall time of the whole run),
+    steps only (the trainer's sustained figure: step time alone, warm-up excluded) and
+    the single best step."""
+    runs = [("sustained (profile default)", list(overrides) + [f"train.max_steps={sustained_steps}"]),
+            (f"peak micro-benchmark (fixed micro-batch {peak_micro})",
+             list(overrides) + [f"train.max_steps={peak_steps}", f"train.fixed_micro_batch={peak_micro}",
+                                "train.eval_every=0", "train.eval_tokens=1"])]
+    rows = []
+    for name, ov in runs:
+        cfg = make_config(ov)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)     # the fixed-batch warning: this row says it
+            tr = Trainer(cfg, None, progress=progress)
+        s = tr.run()
+        steps = [r["tok_per_s"] for r in tr.history[MEASURE_SKIP:]] or [r["tok_per_s"] for r in tr.history]
+        step_s = sum(r["step_s"] for r in tr.history)
+        rows.append({"run": name, "profile": tr.profile.name,
+                     "micro x accum": f"{s['micro_batch']} x {s['accumulation']}",
+                     "steps": s["steps"], "tokens": s["tokens"],
+                     "end-to-end tok/s": round(s["tokens"] / s["wall_s"]),
+                     "steps-only tok/s": round(s["tok_per_s_sustained"] or 0),
+                     "best step tok/s": round(max(steps)),
+                     "outside steps s": round(s["wall_s"] - step_s, 2)})
+    return rows
+
+
+def measure_scaling(overrides, nprocs=(1, 2), steps: int = 20, timeout: float = 1800,
+                    use_torchrun: bool = False) -> list[dict]:
+    """Data-parallel scaling on this machine at a fixed GLOBAL batch (strong scaling).
+
+    For each n in `nprocs`, runs `python -m sonata train --nproc n` (or torchrun with
+    `use_torchrun`) with `overrides` plus train.max_steps=`steps` into a temporary
+    folder and reads its summary.json and metrics.jsonl. Rows: processes, global and
+    per-process tokens/s (sustained: the first steps excluded), median step time
+    (ms), final loss, threads per process, micro-batch x accumulation."""
+    rows = []
+    for n in nprocs:
+        with tempfile.TemporaryDirectory(prefix=f"sonata-scaling-{n}-") as tmp:
+            args = ["train", "--out", tmp, "--progress", "none", *overrides,
+                    f"train.max_steps={steps}"]
+            if use_torchrun and n > 1:
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       f"--nproc_per_node={n}", "-m", "sonata", *args]
+            else:
+                cmd = [sys.executable, "-m", "sonata", *args] + ([] if n == 1 else ["--nproc", str(n)])
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            if r.returncode != 0:
+                err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+                raise RuntimeError(f"{n} process(es): exit {r.returncode}: "
+                                   f"{err[0] if err else r.stderr[-500:]}")
+            s = json.loads((Path(tmp) / "summary.json").read_text())
+            metrics = [json.loads(ln) for ln in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+        step_s = sorted(m["step_s"] for m in metrics[MEASURE_SKIP:]) or sorted(m["step_s"] for m in metrics)
+        tps = s["tok_per_s_sustained"] or 0.0
+        rows.append({"processes": n, "tok/s global": round(tps),
+                     "tok/s per process": round(tps / n),
+                     "step time ms": round(1000 * step_s[len(step_s) // 2], 1),
+                     "final loss": round(metrics[-1]["loss"], 4),
+                     "threads per process": s.get("threads"),
+                     "micro x accum": f"{s['micro_batch']} x {s['accumulation']}",
+                     "global batch": s["effective_batch"]})
+    return rows

@@ -123,7 +123,7 @@ CPU_BUDGET_FRACTION = 0.5   # the cpu preset's budget: this fraction of the RAM 
 PRESETS = {
     "cpu": dict(memory_budget_mb=0, max_micro_batch=32, effective_batch=16,
                 candidates=DEFAULT_CANDIDATES, precision="fp32"),
-    # the dossier's 8 GiB laptop GPU: 7 GiB for us, the rest for the display and the driver
+    # an 8 GiB laptop GPU: 7 GiB for us, the rest for the display and the driver
     "laptop-8gb": dict(memory_budget_mb=7 * 1024, max_micro_batch=8, effective_batch=16,
                        candidates=DEFAULT_CANDIDATES, precision="fp16"),
     "h200": dict(memory_budget_mb=128 * 1024, max_micro_batch=256, effective_batch=256,

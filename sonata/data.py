@@ -371,8 +371,7 @@ class BatchSampler:
         only its own contiguous shard. So the union of the shards is the single-process
         batch in the same order, the generator's state is identical on every rank and
         to a single-process run, and a checkpoint written by N ranks resumes on any M
-        ranks with the same data. (A generator seeded per rank, as issue 7 first put it,
-        could give neither.)"""
+        ranks with the same data. (A generator seeded per rank could give neither.)"""
         rank, world = shard
         if n % world:
             raise ValueError(f"cannot split {n} windows evenly across {world} ranks")

@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import datetime
 import glob
-import json
 import logging
+import math
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,6 +41,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from sonata.memory import MemoryBudgetExceeded
 
 DIST_TIMEOUT_S = 60.0          # collectives (and so a dead or stuck peer) time out after this
 WAIT_TIMEOUT_S = 6 * 3600.0    # the autotuner's wait for rank 0's choice
@@ -174,6 +175,31 @@ def tripped_ranks(flag: bool, extra=()) -> tuple[list[int], list[float]]:
     return [r for r in range(_ctx.world) if out[r] > 0], out[_ctx.world:]
 
 
+# ---------------------------------------------------------------- agreement
+# Every stop is agreed before anything is raised, so all ranks stop at the same step.
+
+def agree_on_loss(loss: float, bad: bool) -> tuple[float, bool]:
+    """The mean loss over ranks, and whether any rank saw a non-finite loss or gradient
+    (then every rank skips the step)."""
+    total, n_bad = all_reduce_sum([loss, float(bad)])
+    return total / _ctx.world, n_bad > 0 or not math.isfinite(total)
+
+
+def agree_on_trip(err: MemoryBudgetExceeded | None, numbers=()) -> list[float]:
+    """Every rank says whether its memory guard tripped (`err`), in one MAX all-reduce
+    that also carries `numbers`, whose maxima over ranks are returned. When any rank
+    tripped, every rank raises the first tripping rank's error, naming that rank and
+    the others that tripped (agreed: rank 0 prints it)."""
+    tripped, maxima = tripped_ranks(err is not None, numbers or ())
+    if not tripped:
+        return maxima
+    first = tripped[0]
+    f = broadcast_object(err.fields() if err is not None else None, src=first)
+    raise MemoryBudgetExceeded(f["detail"], *f["advice"], budget_bytes=f["budget_bytes"],
+                               used_bytes=f["used_bytes"], rank=first, world=_ctx.world,
+                               also=tuple(tripped[1:]), agreed=True)
+
+
 def barrier() -> None:
     if active():
         dist.barrier(group=_ctx.ctl)
@@ -209,13 +235,21 @@ def shutdown(barrier: bool = False) -> None:
     _ctx = Context()
 
 
-def test_trip_step(this_rank: int) -> int | None:
-    """Test-only (TEST_TRIP_ENV): the step before which this rank's guard must trip."""
+def test_trip_hook(this_rank: int):
+    """Test-only (TEST_TRIP_ENV): a before-step hook that makes this rank's memory guard
+    trip (its budget becomes 1 byte) before step STEP + 1; None when not asked."""
     spec = os.environ.get(TEST_TRIP_ENV, "")
     if not spec:
         return None
     r, _, s = spec.partition(":")
-    return int(s or 0) if int(r) == this_rank else None
+    if int(r) != this_rank:
+        return None
+    at = int(s or 0)
+
+    def trip(trainer):
+        if trainer.step == at:
+            trainer.guard.budget = 1
+    return trip
 
 
 def local_threads(local_world: int) -> int:
@@ -364,43 +398,3 @@ def launch(nproc: int, argv: list[str]) -> int:
 def _rmtree(path: str) -> None:
     import shutil
     shutil.rmtree(path, ignore_errors=True)
-
-
-# ---------------------------------------------------------------- scaling
-def measure_scaling(overrides, nprocs=(1, 2), steps: int = 20, timeout: float = 1800,
-                    use_torchrun: bool = False) -> list[dict]:
-    """Data-parallel scaling on this machine at a fixed GLOBAL batch (strong scaling).
-
-    For each n in `nprocs`, runs `python -m sonata train --nproc n` (or torchrun with
-    `use_torchrun`) with `overrides` plus train.max_steps=`steps` into a temporary
-    folder and reads its summary.json and metrics.jsonl. Rows: processes, global and
-    per-process tokens/s (sustained: the first steps excluded), median step time
-    (ms), final loss, threads per process, micro-batch x accumulation."""
-    rows = []
-    for n in nprocs:
-        with tempfile.TemporaryDirectory(prefix=f"sonata-scaling-{n}-") as tmp:
-            args = ["train", "--out", tmp, "--progress", "none", *overrides,
-                    f"train.max_steps={steps}"]
-            if use_torchrun and n > 1:
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       f"--nproc_per_node={n}", "-m", "sonata", *args]
-            else:
-                cmd = [sys.executable, "-m", "sonata", *args] + ([] if n == 1 else ["--nproc", str(n)])
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-            if r.returncode != 0:
-                err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
-                raise RuntimeError(f"{n} process(es): exit {r.returncode}: "
-                                   f"{err[0] if err else r.stderr[-500:]}")
-            s = json.loads((Path(tmp) / "summary.json").read_text())
-            metrics = [json.loads(ln) for ln in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
-        from sonata.trainer import MEASURE_SKIP
-        step_s = sorted(m["step_s"] for m in metrics[MEASURE_SKIP:]) or sorted(m["step_s"] for m in metrics)
-        tps = s["tok_per_s_sustained"] or 0.0
-        rows.append({"processes": n, "tok/s global": round(tps),
-                     "tok/s per process": round(tps / n),
-                     "step time ms": round(1000 * step_s[len(step_s) // 2], 1),
-                     "final loss": round(metrics[-1]["loss"], 4),
-                     "threads per process": s.get("threads"),
-                     "micro x accum": f"{s['micro_batch']} x {s['accumulation']}",
-                     "global batch": s["effective_batch"]})
-    return rows

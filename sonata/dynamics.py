@@ -5,7 +5,8 @@ exp(delta*A) is in (0, 1) and the recurrence is contracting. With `direct`, A is
 a free parameter: a large learning rate can push an entry above 0, the decay
 above 1, and the state then grows like exp(delta*A*L) along the sequence. The
 post-step constraint (`model.a_constraint`) projects A back to A <= -a_min after
-every optimizer step. These helpers run the comparison for notebook 05.
+every optimizer step. These helpers run the comparison and return records
+(notebook 05 writes what they say).
 """
 from __future__ import annotations
 
@@ -79,27 +80,3 @@ def first_divergent_lr(runs: list[DynamicsRun]) -> float | None:
     """Smallest learning rate whose run diverged (or whose decay exceeded 1)."""
     bad = [r.lr for r in runs if r.diverged or (r.max_decay and max(r.max_decay) > 1.0)]
     return min(bad) if bad else None
-
-
-def conclusion(sweep: list[DynamicsRun], runs: list[DynamicsRun]) -> str:
-    """A plain-language summary written from the measured runs (nothing assumed)."""
-    lines = []
-    stable = [r.lr for r in sweep if not r.diverged]
-    bad = first_divergent_lr(sweep)
-    if bad is None:
-        lines.append(f"direct A without the constraint stayed stable at every learning rate tried "
-                     f"({', '.join(map(str, (r.lr for r in sweep)))}); widen the sweep to find its limit.")
-    else:
-        worst = next(r for r in sweep if r.lr == bad)
-        lines.append(f"direct A without the constraint was stable up to lr {max(stable) if stable else '-'} "
-                     f"and lost contraction at lr {bad}: max exp(delta*A) reached {max(worst.max_decay):.3g}"
-                     + (f" and training stopped at step {worst.diverged_at} after "
-                        f"{worst.nonfinite_steps} non-finite steps." if worst.diverged else "."))
-    for r in runs[1:]:
-        peak = max(r.max_decay) if r.max_decay else float("nan")
-        state = (f"diverged at step {r.diverged_at}" if r.diverged
-                 else f"stayed finite for all {len(r.steps)} steps, final loss {r.final_loss:.3f}")
-        lines.append(f"{r.variant} at lr {r.lr}: {state}; max exp(delta*A) = {peak:.6f}"
-                     + (" (never above 1: no direction of the state grows)." if peak <= 1
-                        else " (above 1: the state expands)."))
-    return "\n".join(lines)

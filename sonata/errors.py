@@ -1,8 +1,27 @@
-"""User-facing errors: the command line prints them as one `error:` line, exit 2."""
+"""User-facing errors: the command line prints them as one `error:` line, exit 2.
+
+Errors carry their facts as fields, so no caller parses or edits message text:
+`reasons` (the message is the reasons joined by '; ', the first one says what
+happened), `step` (the last completed optimizer step, when the error stops a
+run), `rank` (the process the error is about, data parallel) and `agreed` (every
+rank raises it at the same point: rank 0 prints it, the others stay silent).
+"""
+from __future__ import annotations
 
 
 class SonataError(Exception):
     """A user mistake or an environment problem, explained in one line."""
+
+    def __init__(self, *reasons: str, step: int | None = None, rank: int | None = None,
+                 agreed: bool = False):
+        self.reasons = [str(r) for r in reasons if r]
+        self.step, self.rank, self.agreed = step, rank, agreed
+        super().__init__("; ".join(self.reasons))
+
+    @property
+    def what(self) -> str:
+        """The first reason: what happened, without the advice."""
+        return self.reasons[0] if self.reasons else ""
 
 
 class ConfigError(SonataError, ValueError):
@@ -24,6 +43,6 @@ class TrainingDiverged(SonataError):
 class TrainingInterrupted(SonataError):
     """Stopped by a signal; an emergency checkpoint was written."""
 
-    def __init__(self, message: str, signum: int = 2):
-        super().__init__(message)
+    def __init__(self, *reasons: str, signum: int = 2, **fields):
+        super().__init__(*reasons, **fields)
         self.signum = signum

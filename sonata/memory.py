@@ -1,4 +1,5 @@
-"""Memory accounting, the MemoryGuard (the fuse) and the leak detector.
+"""Memory accounting, the MemoryGuard (the fuse), the leak detector and the leak
+injected on purpose (`debug.leak`).
 
 What "memory" means here, per device:
 - CUDA: bytes held by tensors (`torch.cuda.memory_allocated`) after a step, and the
@@ -12,10 +13,11 @@ What "memory" means here, per device:
   pass the budget. The process never grows past the budget into swap because it
   stops one step before it would.
 
-`MemoryGuard.check_before_step` and `after_step` raise `MemoryBudgetExceeded`,
-which names the budget, the usage and what to try; the trainer catches it, writes
-an emergency checkpoint of the last good state, and re-raises, so the command line
-prints one `error:` line and exits 2.
+The trainer wraps each step once in `MemoryGuard.watch` (check before, sampling
+during, check after, an allocation failure turned into the same error); a trip
+raises `MemoryBudgetExceeded`, which names the budget, the usage and what to try;
+the trainer catches it, writes an emergency checkpoint of the last good state, and
+re-raises, so the command line prints one `error:` line and exits 2.
 
 `LeakDetector` keeps the memory after each step. From the third step on a correct
 loop returns to a flat baseline: the allocator may still grow in a rare jump, but a
@@ -40,12 +42,43 @@ MiB = 2**20
 
 
 class MemoryBudgetExceeded(SonataError):
-    """The run would pass its memory budget; the last good state was checkpointed."""
+    """The run would pass its memory budget. Fields: `detail` (what happened, e.g.
+    "step 3 would reach 1.2 GiB of resident set, over the budget of 1.0 GiB (...)"),
+    `advice`, the budget and usage in bytes, and in a data-parallel run the tripping
+    `rank`, the `world` size and the other ranks that tripped too (`also`). Once the
+    trainer has stopped, `stopped(step, checkpoint)` gives the same error with where
+    the last good state is."""
 
-    def __init__(self, message: str, budget_bytes: int = 0, used_bytes: int = 0):
-        super().__init__(message)
-        self.budget_bytes = budget_bytes
-        self.used_bytes = used_bytes
+    def __init__(self, detail: str, *advice: str, budget_bytes: int = 0, used_bytes: int = 0,
+                 rank: int | None = None, world: int = 1, also: tuple = (), step: int | None = None,
+                 checkpoint: str | None = None, agreed: bool = False):
+        self.detail, self.advice = detail, list(advice)
+        self.budget_bytes, self.used_bytes = int(budget_bytes), int(used_bytes)
+        self.world, self.also, self.checkpoint = world, tuple(also), checkpoint
+        where = ""
+        if rank is not None and world > 1:
+            where = f" on rank {rank} of {world}" + (
+                f" (also rank{'s' if len(self.also) > 1 else ''} {', '.join(map(str, self.also))})"
+                if self.also else "")
+        reasons = [f"memory budget exceeded{where}: {detail}", *advice]
+        if step is not None:
+            reasons.append(f"the last good state (step {step}) is in {checkpoint}; resume with --resume "
+                           f"{checkpoint} and a larger profile.memory_budget_mb" if checkpoint else
+                           "no checkpoint written (no output folder)")
+        super().__init__(*reasons, step=step, rank=rank, agreed=agreed)
+
+    def fields(self) -> dict:
+        return {"detail": self.detail, "advice": list(self.advice), "budget_bytes": self.budget_bytes,
+                "used_bytes": self.used_bytes, "rank": self.rank, "world": self.world, "also": self.also,
+                "step": self.step, "checkpoint": self.checkpoint, "agreed": self.agreed}
+
+    def replace(self, **changes) -> "MemoryBudgetExceeded":
+        f = {**self.fields(), **changes}
+        return MemoryBudgetExceeded(f.pop("detail"), *f.pop("advice"), **f)
+
+    def stopped(self, step: int, checkpoint) -> "MemoryBudgetExceeded":
+        """This error after the run stopped at `step` (checkpoint: the file, or None)."""
+        return self.replace(step=step, checkpoint=None if checkpoint is None else str(checkpoint))
 
 
 def rss_bytes() -> int:
@@ -214,18 +247,75 @@ class MemoryGuard:
         self.trips += 1
         unit = "resident set" if self.device.type == "cpu" else "device memory"
         raise MemoryBudgetExceeded(
-            f"memory budget exceeded: {what_happened} of {unit}, over the budget of "
-            f"{fmt_mib(self.budget)} ({self.what}){hint}; try a smaller train.micro_batch, "
-            f"train.autotune=true, or a larger profile.memory_budget_mb", self.budget, used)
+            f"{what_happened} of {unit}, over the budget of {fmt_mib(self.budget)} ({self.what}){hint}",
+            "try a smaller train.micro_batch, train.autotune=true, or a larger profile.memory_budget_mb",
+            budget_bytes=self.budget, used_bytes=used)
 
     def out_of_memory(self, step: int, exc: BaseException, hint: str = "") -> MemoryBudgetExceeded:
         """The error to raise when an allocation failed inside a step."""
         self.trips += 1
         first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
         return MemoryBudgetExceeded(
-            f"memory budget exceeded: out of memory in step {step + 1} ({first}); budget "
-            f"{fmt_mib(self.budget)} ({self.what}){hint}; try a smaller train.micro_batch or "
-            f"train.autotune=true", self.budget, current_bytes(self.device))
+            f"out of memory in step {step + 1} ({first})",
+            f"budget {fmt_mib(self.budget)} ({self.what}){hint}",
+            "try a smaller train.micro_batch or train.autotune=true",
+            budget_bytes=self.budget, used_bytes=current_bytes(self.device))
+
+    # -- the one wrapper the trainer uses
+    def watch(self, step: int, agree=None) -> "StepWatch":
+        """`with guard.watch(step) as w: <one training step>`: the check before the step,
+        peak sampling during it, the check after it (then `w.mem_bytes`, `w.peak`); an
+        allocation failure inside the step becomes MemoryBudgetExceeded. `agree(error,
+        numbers)`, data parallel: called at both checks with this rank's error (or None)
+        and, after the step, [peak so far, step peak]; it returns the maxima over ranks
+        (`w.maxima`) and raises the agreed error when any rank tripped, so all stop."""
+        return StepWatch(self, step, agree)
+
+
+class StepWatch:
+    """One step under the guard (see MemoryGuard.watch)."""
+
+    def __init__(self, guard: MemoryGuard, step: int, agree=None):
+        self.guard, self.step, self.agree = guard, step, agree
+        self.mem_bytes = self.peak = 0
+        self.maxima: list[float] | None = None
+
+    def _checked(self, check, numbers=None):
+        if self.agree is None:
+            return check()
+        value, err = None, None
+        try:
+            value = check()
+        except MemoryBudgetExceeded as e:
+            err = e
+        try:
+            maxima = self.agree(err, numbers() if numbers else None)
+        except MemoryBudgetExceeded:
+            self.guard.abort_step()        # ranks that did not trip were sampling
+            raise
+        return value, maxima
+
+    def __enter__(self) -> "StepWatch":
+        self._checked(lambda: self.guard.check_before_step(self.step))
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is not None:
+            # data parallel: an allocation failure inside the step cannot be agreed on (the
+            # other ranks are inside DDP's all-reduce): this rank stops, the others learn it
+            # from the process group (a closed connection, or the timeout)
+            self.guard.abort_step()
+            if is_out_of_memory(exc):
+                raise self.guard.out_of_memory(self.step, exc) from None
+            return False
+        after = lambda: self.guard.after_step(self.step + 1)       # noqa: E731
+        if self.agree is None:
+            self.mem_bytes = after()
+        else:
+            self.mem_bytes, self.maxima = self._checked(
+                after, lambda: [peak_memory_bytes(self.guard.device), self.guard.peak_last])
+        self.peak = self.guard.peak_last
+        return False
 
 
 def median_step_growth(ys) -> float:
@@ -276,6 +366,29 @@ class LeakDetector:
         r = self.report()
         return (f"memory grows {fmt_mib(r['mem_slope_bytes_per_step'])} per step over the last "
                 f"{r['leak_window']} steps (threshold {fmt_mib(self.threshold)}): a leak")
+
+
+class InjectedLeak:
+    """`debug.leak`: a classic leak reproduced on purpose (notebook 03), as a hook on
+    each micro-step. `keep_graph` keeps every micro-step's loss with its autograd graph
+    (`retain_graph` makes the backward keep the graph's saved activations alive);
+    `keep_activations` keeps each micro-step's logits (detached: the activations
+    outlive the backward, the graph does not). `none` keeps nothing."""
+
+    def __init__(self, mode: str = "none"):
+        self.mode = mode
+        self.retain_graph = mode == "keep_graph"
+        self.kept: list = []
+
+    def after_backward(self, loss, logits) -> None:
+        if self.mode == "keep_graph":
+            self.kept.append(loss)
+        elif self.mode == "keep_activations":
+            self.kept.append(logits.detach())
+
+    def clear(self) -> None:
+        """Let go of what was kept (a trip, the end of a benchmark run)."""
+        self.kept.clear()
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.01) -> bool:

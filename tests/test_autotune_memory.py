@@ -12,7 +12,8 @@ from sonata.config import PRESETS, Config, ProfileConfig, make_config, resolve_p
 from sonata.errors import ConfigError
 from sonata.memory import LeakDetector, MemoryBudgetExceeded, MemoryGuard, median_step_growth, rss_bytes
 from sonata.generate import load_model
-from sonata.trainer import Trainer, plan_batch
+from sonata.plan import plan_batch
+from sonata.trainer import Trainer
 from test_train import _assert_one_error_line, run_cli
 
 GiB = 2**30
@@ -50,7 +51,9 @@ def test_bad_profile_values_are_config_errors(override, words):
 def test_batch_plan_respects_the_cap_and_the_override():
     p = resolve_profile(ProfileConfig(name="laptop-8gb"), "cpu", 20 * GiB)
     t = make_config([]).train
-    assert plan_batch(t, p)[:2] == (8, 16)                  # the dossier's 8 x 2
+    plan = plan_batch(t, p)
+    assert (plan.micro_batch, plan.accumulation, plan.effective_batch) == (8, 2, 16)   # 8 x 2
+    assert plan.precision == "fp16" and plan.world_size == 1        # the profile's precision
     t = make_config(["train.micro_batch=16"]).train
     with pytest.raises(ConfigError, match="above profile laptop-8gb's cap of 8.*fixed_micro_batch"):
         plan_batch(t, p)
@@ -58,10 +61,11 @@ def test_batch_plan_respects_the_cap_and_the_override():
     with pytest.raises(ConfigError, match=r"effective_batch \(16\) must be a multiple"):
         plan_batch(t, resolve_profile(ProfileConfig(), "cpu", 20 * GiB))
     t = make_config(["train.fixed_micro_batch=32"]).train
-    mb, eff, how = plan_batch(t, p)
-    assert (mb, eff) == (32, 32) and "cap" in how and "not a multiple" in how
+    plan = plan_batch(t, p)
+    assert (plan.micro_batch, plan.effective_batch) == (32, 32)
+    assert "cap" in plan.how and "not a multiple" in plan.how
     t = make_config(["train.fixed_micro_batch=4"]).train
-    assert plan_batch(t, p)[:2] == (4, 16)
+    assert (plan_batch(t, p).micro_batch, plan_batch(t, p).accumulation) == (4, 4)
 
 
 def test_fixed_micro_batch_warns_and_skips_the_cap():
@@ -70,15 +74,17 @@ def test_fixed_micro_batch_warns_and_skips_the_cap():
                                         "train.max_steps": 2}))
     with pytest.warns(UserWarning, match="fixed by train.fixed_micro_batch=8"):
         tr = Trainer(cfg, None, progress="none")
-    assert (cfg.train.micro_batch, cfg.train.effective_batch) == (8, 8)
+    assert (tr.plan.micro_batch, tr.plan.effective_batch) == (8, 8)
+    assert (cfg.train.micro_batch, cfg.train.effective_batch) == (0, 4)      # what was asked
     s = tr.run()
     assert s["micro_batch"] == 8 and s["tokens"] == 2 * 8 * 32
+    assert s["plan"] == tr.plan.to_dict()
 
 
 # ---------------------------------------------------------------- autotuner
 class _FakePeak:
     """PeakSampler stand-in: the peak is 100 MiB per sequence of the running micro-batch."""
-    trainer = None
+    micro_batch = 0                     # set by the step wrapper below
 
     def __init__(self, device, interval=0.0):
         self.peak = 0
@@ -87,7 +93,7 @@ class _FakePeak:
         return self
 
     def __exit__(self, *exc):
-        self.peak = 100 * 2**20 * _FakePeak.trainer.cfg.train.micro_batch
+        self.peak = 100 * 2**20 * _FakePeak.micro_batch
         return False
 
 
@@ -97,7 +103,12 @@ def test_autotuner_respects_cap_budget_and_divisibility(monkeypatch):
                                         "profile.max_micro_batch": 8,
                                         "profile.memory_budget_mb": 450}))
     tr = Trainer(cfg, None, progress="none")
-    _FakePeak.trainer = tr
+    real = tr.train_step
+
+    def step(plan=None):
+        _FakePeak.micro_batch = plan.micro_batch
+        return real(plan)
+    monkeypatch.setattr(tr, "train_step", step)
     monkeypatch.setattr(autotune_mod, "PeakSampler", _FakePeak)
     res = autotune_mod.autotune(tr, warmup=0, steps=1)
     rows = {c["micro_batch"]: c for c in res.table}
@@ -110,7 +121,8 @@ def test_autotuner_respects_cap_budget_and_divisibility(monkeypatch):
     best = max((c for c in res.table if c["eligible"]), key=lambda c: c["tok_per_s"])
     assert res.micro_batch == best["micro_batch"]
     # the trainer was left as it was
-    assert tr.step == 0 and tr.tokens == 0 and cfg.train.micro_batch == 6   # plan: 6 divides 12
+    assert tr.step == 0 and tr.tokens == 0 and tr.plan.micro_batch == 6     # plan: 6 divides 12
+    assert cfg.train.micro_batch == 0                                          # the config as asked
 
 
 def test_autotuner_marks_out_of_memory_by_type(monkeypatch):
@@ -119,10 +131,10 @@ def test_autotuner_marks_out_of_memory_by_type(monkeypatch):
     tr = Trainer(cfg, None, progress="none")
     real = tr.train_step
 
-    def step():
-        if tr.cfg.train.micro_batch >= 4:
+    def step(plan=None):
+        if plan.micro_batch >= 4:
             raise torch.OutOfMemoryError("simulated: tried to allocate 1 GiB")
-        return real()
+        return real(plan)
     monkeypatch.setattr(tr, "train_step", step)
     res = autotune_mod.autotune(tr, warmup=0, steps=1)
     rows = {c["micro_batch"]: c for c in res.table}
@@ -148,6 +160,8 @@ def test_training_after_autotune_is_bit_identical_to_the_fixed_choice(tmp_path):
     # the choice and the table travel in the checkpoint and the summary
     state = ckpt.load(tmp_path / "a" / "checkpoint.pt")
     assert state["autotune"]["micro_batch"] == chosen
+    assert state["plan"] == sa["plan"] == a.plan.to_dict() and state["plan"]["micro_batch"] == chosen
+    assert state["config"]["train"]["micro_batch"] == 0         # the config stays what was asked
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["autotune"]["micro_batch"] == chosen
 
 

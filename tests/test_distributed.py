@@ -16,7 +16,8 @@ from sonata.config import Config, ProfileConfig, apply_overrides, make_config, r
 from sonata.data import BatchSampler
 from sonata.errors import ConfigError
 from sonata.generate import load_model
-from sonata.trainer import Trainer, plan_batch
+from sonata.plan import plan_batch
+from sonata.trainer import Trainer
 from test_train import _assert_one_error_line
 
 STEPS = 6
@@ -84,15 +85,19 @@ def test_sampler_shards_are_the_single_process_batch():
 def test_batch_plan_splits_the_global_batch():
     p = resolve_profile(ProfileConfig(), "cpu", 20 * 2**30)
     t = make_config(["train.effective_batch=8", "train.micro_batch=2"]).train
-    assert plan_batch(t, p, world=2)[:2] == (2, 8)
+    plan = plan_batch(t, p, world=2)
+    assert (plan.micro_batch, plan.accumulation, plan.effective_batch, plan.world_size) == (2, 2, 8, 2)
     with pytest.raises(ConfigError, match=r"global batch and must be a multiple of the number of processes \(3\)"):
         plan_batch(t, p, world=3)
     t = make_config(["train.effective_batch=8", "train.micro_batch=8"]).train
     with pytest.raises(ConfigError, match=r"must divide the per-process batch \(train.effective_batch 8 / 2 processes = 4\)"):
         plan_batch(t, p, world=2)
     t = make_config(["train.effective_batch=24"]).train      # profile's choice divides 24 / 2 = 12
-    mb, eff, how = plan_batch(t, p, world=2)
-    assert 12 % mb == 0 and eff == 24 and "per-process batch 12" in how
+    plan = plan_batch(t, p, world=2)
+    assert 12 % plan.micro_batch == 0 and plan.effective_batch == 24 and "per-process batch 12" in plan.how
+    assert plan.micro_batch * plan.accumulation * 2 == 24
+    alone = plan.alone()                                      # rank 0's autotuning: its share, one process
+    assert (alone.effective_batch, alone.world_size, alone.micro_batch) == (12, 1, plan.micro_batch)
 
 
 def test_two_gloo_ranks_match_one_process(tmp_path, single):

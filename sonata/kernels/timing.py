@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from sonata.device import sync  # noqa: F401  (re-exported: benchmarks time with it)
 from sonata.kernels import resolve_backend, selective_scan, selective_scan_ref
 
 SIZES = {  # name: (batch, d_inner, N, L)
@@ -21,10 +22,6 @@ SIZES = {  # name: (batch, d_inner, N, L)
 }
 GRAD_INPUTS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
 
-
-def sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def median_time(fn, device="cpu", warmup=2, repeat=5) -> float:
