@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from sonata.errors import SonataError, TrainingInterrupted
+from sonata.errors import SonataError, TrainingInterrupted, WorkerLost
 
 EXIT_USAGE = 2
 
@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--nproc", type=int, default=None,
                     help="data-parallel worker processes on this machine (the global batch is "
                          "train.effective_batch); default 1")
+    tr.add_argument("--max-restarts", type=int, default=0,
+                    help="with --nproc: restart the workers up to N times when one fails; they resume "
+                         "from the survivors' checkpoint (default 0)")
     tr.add_argument("overrides", nargs="*", help="config overrides as section.key=value")
     at = sub.add_parser("autotune", help="measure the profile's candidate micro-batches, print the table")
     at.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -83,7 +86,13 @@ def cmd_train(args) -> int:
         if args.nproc > 1:
             argv = ["train", "--out", out] + (["--resume", args.resume] if args.resume else []) + \
                    (["--progress", args.progress] if args.progress else []) + list(args.overrides)
-            return distributed.launch(args.nproc, argv)
+            return distributed.launch(args.nproc, argv, max_restarts=max(0, args.max_restarts))
+    restarted = distributed.restart_count()
+    if restarted and (Path(out) / "checkpoint.pt").exists():
+        # a worker restarted by torchrun / --max-restarts: continue from the run's checkpoint
+        args.resume = str(Path(out) / "checkpoint.pt")
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            print(f"restart {restarted}: resuming from {args.resume}", flush=True)
     try:
         state = None
         if args.resume:
@@ -184,11 +193,13 @@ def _dist():
 
 def _print_error(e: BaseException, agreed: bool = False) -> None:
     """One `error:` line. Data parallel: an error every rank raised (an agreed stop, bad
-    input) is printed by rank 0 only; one that only this rank met names the rank."""
+    input) is printed by rank 0 only; one that only this rank met names the rank (a
+    lost peer always: sonata.distributed.launch recognizes that line)."""
     r = _dist().rank() if _dist() else 0
     if r and (agreed or getattr(e, "agreed", False)):
         return
-    print(f"error: {f'rank {r}: ' if r else ''}{e}", file=sys.stderr, flush=True)
+    named = r or isinstance(e, WorkerLost)
+    print(f"error: {f'rank {r}: ' if named else ''}{e}", file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:

@@ -158,7 +158,7 @@ def run_once(overrides, steps: int, warmup: int, window: int, seed: int | None =
         try:
             tr.run()
         except (MemoryBudgetExceeded, TrainingDiverged) as e:
-            stopped, tripped = f"{type(e).__name__}: {e.what}", isinstance(e, MemoryBudgetExceeded)
+            stopped, tripped = f"{type(e).__name__}: {e.headline}", isinstance(e, MemoryBudgetExceeded)
         finally:
             tr.injected_leak.clear()     # a debug leak ends with its run
     notes = [str(w.message) for w in caught if str(w.message).startswith("sonata:")]

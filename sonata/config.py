@@ -70,7 +70,9 @@ class TrainConfig:
     max_nonfinite: int = 5      # consecutive non-finite steps (skipped) before training stops
     eval_every: int = 100       # 0: only at the end
     eval_tokens: int = 0        # 0: the whole validation split
-    checkpoint_every: int = 0   # 0: only the final checkpoint
+    checkpoint_every: int = 0   # also checkpoint every N steps; 0: by time only
+    checkpoint_every_s: float = 300.0   # checkpoint when this many seconds passed since the last; 0: off
+    keep_checkpoints: int = 0   # also keep the last K periodic checkpoints as checkpoint-step<N>.pt; 0: none
     log_every: int = 1          # metrics.jsonl row every N steps
     threads: int = 0            # torch intra-op threads; 0: leave as is
     device: str = "auto"        # auto | cpu | cuda
@@ -244,7 +246,9 @@ class Config:
                f"debug.leak must be one of {', '.join(LEAKS)}, not {self.debug.leak!r}")
         _check(t.decay_steps >= 0, "train.decay_steps must be >= 0 (0 = train.max_steps)")
         _check(t.max_nonfinite > 0, "train.max_nonfinite must be positive")
-        for k in ("eval_every", "eval_tokens", "checkpoint_every", "threads"):
+        _check(t.checkpoint_every_s >= 0 and math.isfinite(t.checkpoint_every_s),
+               "train.checkpoint_every_s must be >= 0 (0 = off)")
+        for k in ("eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints", "threads"):
             _check(getattr(t, k) >= 0, f"train.{k} must be >= 0")
         _check(t.log_every > 0, "train.log_every must be positive")
         _check(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, not {t.device!r}")

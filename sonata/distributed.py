@@ -30,6 +30,7 @@ import glob
 import logging
 import math
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -63,6 +64,7 @@ class Context:
     device: torch.device | None = None
     ctl: object = None                   # gloo group for control collectives
     wait: object = None                  # gloo group with a long timeout
+    restarts: int = 0                    # how often the launcher restarted the workers (torchrun)
 
 
 _ctx = Context()
@@ -95,15 +97,27 @@ def init_from_env(device: str = "auto") -> Context:
     else:
         dev, backend = torch.device("cpu"), "gloo"
     timeout = datetime.timedelta(seconds=_timeout_s())
-    dist.init_process_group(backend=backend, timeout=timeout,
+    # the launcher's store outlives a restart: keys of this attempt under their own prefix,
+    # so restarted workers never read a dead attempt's addresses
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    store = dist.PrefixStore(f"sonata/attempt{restart_count()}", store)
+    dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank, world_size=world,
                             **({"device_id": dev} if cuda else {}))
     ctl = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     wait = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=WAIT_TIMEOUT_S))
     _ctx = Context(rank=rank, world=world, local_rank=local_rank, local_world=local_world,
-                   backend=backend, device=dev, ctl=ctl, wait=wait)
+                   backend=backend, device=dev, ctl=ctl, wait=wait, restarts=restart_count())
     if rank > 0:   # rank 0 says everything once; the others would only repeat it
         warnings.simplefilter("ignore")
     return _ctx
+
+
+def restart_count() -> int:
+    """How often torchrun (or `launch` with max_restarts) has restarted the workers."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
 
 
 def context() -> Context:
@@ -281,16 +295,25 @@ class _Tail(threading.Thread):
         self.error_lines: list[str] = []
         self.held: list[str] = []      # "lost contact" lines: the failing rank's own line is better
 
+    def _attempts(self) -> list[str]:
+        """This stream's log of each attempt (a restart starts attempt_N+1), in order."""
+        return sorted(glob.glob(self.pattern),
+                      key=lambda p: int(re.search(r"attempt_(\d+)", p).group(1)))
+
     def run(self):
-        path = None
-        while path is None:
-            hits = glob.glob(self.pattern)
-            if hits:
-                path = hits[0]
-            elif self.done.is_set():
-                return
-            else:
+        seen = 0
+        while True:
+            files = self._attempts()
+            if len(files) <= seen:
+                if self.done.is_set():
+                    return
                 time.sleep(0.05)
+                continue
+            self._follow(files[seen], lambda: len(self._attempts()) > seen + 1)
+            seen += 1
+
+    def _follow(self, path: str, superseded) -> None:
+        """Copy `path` line by line until the run is done or a newer attempt exists."""
         with open(path, errors="replace") as f:
             buf = ""
             while True:
@@ -300,9 +323,11 @@ class _Tail(threading.Thread):
                     if buf.endswith("\n"):
                         self._emit(buf)
                         buf = ""
-                elif self.done.is_set():
-                    if buf:
-                        self._emit(buf + "\n")
+                elif self.done.is_set() or superseded():
+                    rest = f.read()
+                    if buf or rest:
+                        for line in (buf + rest).splitlines():
+                            self._emit(line + "\n")
                     return
                 else:
                     time.sleep(0.05)
@@ -317,9 +342,11 @@ class _Tail(threading.Thread):
         self.dst.flush()
 
 
-def launch(nproc: int, argv: list[str]) -> int:
+def launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     """Run `python -m sonata <argv>` in `nproc` worker processes on this machine through
-    torch's elastic launcher (standalone rendezvous on localhost, no restarts).
+    torch's elastic launcher (standalone rendezvous on localhost). When a worker fails,
+    the launcher restarts all of them up to `max_restarts` times; restarted workers of
+    `train` resume from the run's checkpoint (the survivors' emergency checkpoint).
 
     Only rank 0's output reaches the console (live, unprefixed); the others' goes to
     a temporary log folder. Exit status: 0 when every worker succeeded; otherwise the
@@ -334,13 +361,14 @@ def launch(nproc: int, argv: list[str]) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     _quiet_elastic_logs()
+    started = time.time()
     log_dir = tempfile.mkdtemp(prefix="sonata-ranks-")
     run_id = uuid.uuid4().hex[:12]
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
                           monitor_interval=0.1, start_method="spawn",
                           logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL))
-    base = os.path.join(log_dir, f"{run_id}*", "attempt_0", "0")
+    base = os.path.join(log_dir, f"{run_id}*", "attempt_*", "0")
     tails = [_Tail(os.path.join(base, "stdout.log"), sys.stdout),
              _Tail(os.path.join(base, "stderr.log"), sys.stderr)]
     for t in tails:
@@ -371,7 +399,7 @@ def launch(nproc: int, argv: list[str]) -> int:
     if not tails[1].error_lines:       # rank 0 said nothing: say what the failing rank said
         line = None
         for r, f in sorted(failure.failures.items(), key=lambda kv: (kv[0] != first_rank, kv[0])):
-            for path in glob.glob(os.path.join(log_dir, f"{run_id}*", "attempt_0", str(f.local_rank),
+            for path in glob.glob(os.path.join(log_dir, f"{run_id}*", "attempt_*", str(f.local_rank),
                                                "stderr.log")):
                 errs = [ln for ln in Path(path).read_text(errors="replace").splitlines()
                         if ln.startswith("error:") and " lost contact " not in ln]
@@ -385,6 +413,9 @@ def launch(nproc: int, argv: list[str]) -> int:
                    else f"failed with exit code {code}")
             lost = " (the other ranks lost contact with it)" if tails[1].held else ""
             line = f"error: worker rank {first_rank} {how}{lost}; the workers' output is in {log_dir}"
+            saved = Path(argv[argv.index("--out") + 1]) / "checkpoint.pt" if "--out" in argv else None
+            if lost and saved and saved.exists() and saved.stat().st_mtime >= started:
+                line += f"; the survivors saved the last completed step in {saved} (resume with --resume {saved})"
         print(line, file=sys.stderr)
     else:
         _rmtree(log_dir)

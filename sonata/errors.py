@@ -19,7 +19,7 @@ class SonataError(Exception):
         super().__init__("; ".join(self.reasons))
 
     @property
-    def what(self) -> str:
+    def headline(self) -> str:
         """The first reason: what happened, without the advice."""
         return self.reasons[0] if self.reasons else ""
 
@@ -46,3 +46,26 @@ class TrainingInterrupted(SonataError):
     def __init__(self, *reasons: str, signum: int = 2, **fields):
         super().__init__(*reasons, **fields)
         self.signum = signum
+
+
+class WriteError(SonataError):
+    """A run's file could not be written (disk full, I/O error, read-only folder).
+    Fields: `path`, `what` (checkpoint, metrics row, summary...), `bytes` (what it
+    needed) and `reason` (the system's words)."""
+
+    def __init__(self, path, what: str, nbytes: int, reason: str, *advice: str, **fields):
+        self.path, self.what, self.bytes, self.reason = str(path), what, int(nbytes), reason
+        super().__init__(f"could not write the {what} to {self.path} ({self.bytes:,} bytes): {reason}",
+                         *advice, **fields)
+
+
+class WorkerLost(SonataError):
+    """Data parallel: another process of the run died or stopped answering; this one
+    saved the last completed step (`checkpoint`, None when it could not)."""
+
+    def __init__(self, detail: str, *advice: str, checkpoint=None, **fields):
+        self.detail, self.checkpoint = detail, None if checkpoint is None else str(checkpoint)
+        saved = (f"the last completed step ({fields.get('step')}) is in {self.checkpoint}; resume with "
+                 f"--resume {self.checkpoint}" if self.checkpoint else "no checkpoint written")
+        super().__init__(f"lost contact with another process of the run (it failed or stopped; its own "
+                         f"message says why): {detail}", saved, *advice, **fields)

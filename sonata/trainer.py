@@ -29,7 +29,7 @@ from sonata.autotune import choose_plan
 from sonata.config import Config, resolve_profile
 from sonata.data import BatchSampler, Corpus, Vocab, build_corpus, d2h, h2d
 from sonata.device import autocast_for, check_precision, resolve_device, sync
-from sonata.errors import CheckpointError, TrainingDiverged, TrainingInterrupted
+from sonata.errors import CheckpointError, TrainingDiverged, TrainingInterrupted, WorkerLost
 from sonata.evaluate import EvalResult, evaluate_stream
 from sonata.memory import (InjectedLeak, LeakDetector, MemoryBudgetExceeded, MemoryGuard,
                            available_ram_bytes, device_total_bytes, peak_memory_bytes,
@@ -154,6 +154,10 @@ class Trainer:
         self.tokens = 0
         self.counters = {"nonfinite_steps": 0, "scaler_skipped_steps": 0}
         self._consecutive_nonfinite = 0
+        self._step_start = None       # (sampler, rng) at the start of the step in progress (DDP)
+        self.checkpoint_seconds: list[float] = []
+        self._last_save = time.monotonic()
+        self.resumed_from_step = int(state["step"]) if state else None
         self.history: list[dict] = []
         self.emergency_reason: str | None = None
         self._byte_len = torch.from_numpy(self.corpus.vocab.byte_lengths).to(self.device)
@@ -207,16 +211,33 @@ class Trainer:
     def model_is_finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
 
-    def save_checkpoint(self, path=None) -> Path | None:
-        """Atomic save; a model with NaN/Inf weights is never written over a good checkpoint."""
+    def save_checkpoint(self, path=None, any_rank: bool = False) -> Path | None:
+        """Atomic save; a model with NaN/Inf weights is never written over a good checkpoint.
+        Rank 0 writes (the state is the same on every rank) unless `any_rank` (a survivor
+        of a lost peer). With train.keep_checkpoints=K the last K are also kept by step."""
         path = Path(path) if path else self.out_dir / "checkpoint.pt"
-        if not self.is_main:                 # rank 0 writes; the state is the same on every rank
+        if not (self.is_main or any_rank):
             return path
         if not self.model_is_finite():
             warnings.warn(f"sonata: model has non-finite weights at step {self.step}; "
                           f"checkpoint {path} left as it was", RuntimeWarning, stacklevel=2)
             return None
-        return ckpt.save(self.state_dict(), path)
+        t0 = time.perf_counter()
+        ckpt.save(self.state_dict(), path)
+        if self.cfg.train.keep_checkpoints and path.name == "checkpoint.pt":
+            ckpt.keep_last(path, self.step, self.cfg.train.keep_checkpoints)
+        self.checkpoint_seconds.append(time.perf_counter() - t0)
+        self._last_save = time.monotonic()
+        return path
+
+    def _checkpoint_due(self, final: bool) -> bool:
+        """Every train.checkpoint_every steps, and when train.checkpoint_every_s passed since
+        the last checkpoint (the final one is written by _finish)."""
+        t = self.cfg.train
+        if not self.out_dir or final:
+            return False
+        return bool((t.checkpoint_every and self.step % t.checkpoint_every == 0) or
+                    (t.checkpoint_every_s and time.monotonic() - self._last_save >= t.checkpoint_every_s))
 
     # ------------------------------------------------------------------ one step
     def train_step(self, plan: Plan | None = None) -> dict:
@@ -225,6 +246,8 @@ class Trainer:
         plan = plan or self.plan
         ddp = plan.world_size > 1
         net = self._net if ddp and self._net is not None else self.model
+        if ddp:     # a peer lost inside this step: the survivors save the state of its start
+            self._step_start = (self.sampler.state_dict(), rng_state())
         sync(self.device)
         t0 = time.perf_counter()
         lr = self._set_lr()
@@ -244,6 +267,7 @@ class Trainer:
         n_tok = plan.effective_batch * self.cfg.data.seq_len
         self.step += 1
         self.tokens += n_tok
+        self._step_start = None
         row = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens,
                "tok_per_s": n_tok / dt, "step_s": dt, "grad_norm": gnorm,
                "skipped": skipped, "fallbacks": kernels.fallback_count()}
@@ -355,7 +379,8 @@ class Trainer:
         last_eval: EvalResult | None = None
         peak_all = 0
         try:
-            with self._bar(t.max_steps - self.step, "train") as bar, _StopSignal() as stop:
+            with self._bar(t.max_steps - self.step, "train") as bar, _StopSignal() as stop, \
+                    self._on_lost_peer():                  # inside: signals are still only flagged
                 self._stop = stop
                 while self.step < t.max_steps:
                     row, peak_all, signum = self._guarded_step()
@@ -372,10 +397,9 @@ class Trainer:
                     self.history.append(row)
                     if metrics and (self.step % t.log_every == 0 or final or "val_loss" in row
                                     or row["skipped"]):
-                        metrics.write(json.dumps(row) + "\n")
-                        metrics.flush()
+                        metrics.write(row)
                     self._stop_if_diverged()
-                    if self.out_dir and t.checkpoint_every and self.step % t.checkpoint_every == 0 and not final:
+                    if self._checkpoint_due(final):
                         self.save_checkpoint()
                     bar.update(1, loss=row["loss"], **{"tok/s": round(row["tok_per_s"])},
                                **({"val_bpb": row["val_bpb"]} if "val_bpb" in row else {}))
@@ -405,6 +429,7 @@ class Trainer:
             self._net = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self._stop = None
         self._leak_warned = False
+        self._last_save = time.monotonic()
 
     def _guarded_step(self) -> tuple[dict, int, int | None]:
         """One step inside the memory guard: (row, peak memory, signal to stop on).
@@ -458,6 +483,30 @@ class Trainer:
             return self.save_checkpoint()
         return None
 
+    @contextlib.contextmanager
+    def _on_lost_peer(self):
+        """Data parallel: a failed collective (a peer died or hung) becomes WorkerLost,
+        after this survivor saved the last completed step."""
+        try:
+            yield
+        except Exception as e:       # noqa: BLE001 - only a lost peer is handled here
+            if self.world > 1 and distributed.is_comm_error(e):
+                raise self._lost_peer(e) from None
+            raise
+
+    def _lost_peer(self, e: BaseException) -> WorkerLost:
+        """Another process died or hung: save the last completed step here (every survivor
+        holds a full replica; a step cut short is rolled back to its start) and stop."""
+        if self._step_start is not None:            # the model and optimizer are untouched
+            sampler, rng = self._step_start
+            self.sampler.load_state_dict(sampler)
+            set_rng_state(rng)
+            self.optimizer.zero_grad(set_to_none=True)
+        self.emergency_reason = "lost a peer"
+        path = self.save_checkpoint(any_rank=True) if self.out_dir else None
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        return WorkerLost(first, checkpoint=path, step=self.step, rank=self.rank)
+
     def _memory_tripped(self, e: MemoryBudgetExceeded) -> MemoryBudgetExceeded:
         self.injected_leak.clear()                    # a debug leak must not reach the checkpoint
         self.optimizer.zero_grad(set_to_none=True)    # the gradients of a failed step
@@ -465,28 +514,16 @@ class Trainer:
             torch.cuda.empty_cache()
         return e.stopped(self.step, self._emergency("memory")).replace(agreed=self.world > 1)
 
-    def _open_metrics(self):
+    def _open_metrics(self) -> ckpt.MetricsLog | None:
         if not self.is_main:
             return None
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        path = self.out_dir / "metrics.jsonl"
-        kept = []
-        if self.step and path.exists():   # resuming: drop rows past the checkpoint's step
-            for line in path.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if row.get("step", 0) <= self.step:
-                    kept.append(line)
-        f = open(path, "w")
-        for line in kept:
-            f.write(line + "\n")
-        return f
+        return ckpt.MetricsLog(self.out_dir / "metrics.jsonl", through_step=self.step)
 
     def _finish(self, last_eval: EvalResult, speed: _Throughput, wall_s: float) -> dict:
         """The summary (written with the final checkpoint on rank 0)."""
         plan = self.plan
+        if self.out_dir and self.is_main:
+            self.save_checkpoint()
         peak_mem, guard_peak = (peak_memory_bytes(self.device), self.guard.peak)
         if self.world > 1:
             peak_mem, guard_peak = distributed.all_reduce_max([peak_mem, guard_peak])
@@ -516,6 +553,11 @@ class Trainer:
             **self.leak.report(),
             "debug_leak": self.cfg.debug.leak,
             "autotune": self.autotune_result,
+            "checkpoints_written": len(self.checkpoint_seconds),
+            "checkpoint_s_mean": (sum(self.checkpoint_seconds) / len(self.checkpoint_seconds)
+                                  if self.checkpoint_seconds else None),
+            "checkpoint_s_max": max(self.checkpoint_seconds, default=None),
+            "restarts": distributed.context().restarts, "resumed_from_step": self.resumed_from_step,
             **self.counters,
             "data": self.corpus.summary(),
         }
@@ -525,10 +567,11 @@ class Trainer:
             summary.update(val_loss_fp32_weights=fp32.loss, val_loss_int8_export=q.loss,
                            val_bpb_int8_export=q.bpb)
             if self.out_dir and self.is_main:
-                torch.save(self.model.int8_state(), self.out_dir / "model_int8.pt")
+                ckpt.write_atomic(self.out_dir / "model_int8.pt", ckpt.to_bytes(self.model.int8_state()),
+                                  "int8 export")
         if self.out_dir and self.is_main:
-            self.save_checkpoint()
-            (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            ckpt.write_atomic(self.out_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode(),
+                              "summary")
         return summary
 
     def _eval_without_int8(self) -> EvalResult:
