@@ -465,6 +465,8 @@ def resolve_source(source: str) -> Source:
     validation split when it has one: a hub-shaped folder (parquet shards named by
     split, e.g. data/train-*.parquet and data/validation-*.parquet), a `*train*.txt`
     or `*train*.parquet` file with a `*valid*` sibling, or the hub's two splits."""
+    if not source.strip():
+        raise DataError("data.source is empty (embedded, tinystories or a path)")
     if source == "embedded":
         return Source(source, "txt", {"train": [EMBEDDED_CORPUS]})
     if source == "tinystories":
@@ -697,8 +699,10 @@ def _check_cache(d: Path, key: dict, fingerprint: list, vocab: Vocab | None):
     tokens = meta.get("vocab")
     if not isinstance(tokens, list):
         return None, "no vocabulary in the sidecar"
+    if meta.get("vocab_sha256") != _vocab_digest(tokens):
+        return None, "its vocabulary does not match the recorded hash"
     if vocab is not None and tokens != vocab.tokens.tolist():
-        return None, "another vocabulary (the checkpoint's)"
+        return None, "built with another vocabulary than the checkpoint's"
     splits = {}
     for name in SPLITS:
         s = meta.get("splits", {}).get(name)
@@ -714,19 +718,24 @@ def _check_cache(d: Path, key: dict, fingerprint: list, vocab: Vocab | None):
                     meta.get("text_bytes", 0), meta.get("validation_from", "carved")), None
 
 
+def _vocab_digest(tokens: list) -> str:
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
+
+
 def prepare(data_cfg, vocab: Vocab | None = None, progress: str | None = None) -> Prepared:
     """The token cache of a data configuration: reused when its sidecar matches, else
     built (streamed, bounded memory) and returned. `vocab`: a fixed vocabulary (a
     resumed checkpoint's); None: the training split's most frequent tokens."""
     root = cache_dir_of(data_cfg)
     src = resolve_source(data_cfg.source)
-    key = _cache_key(src, data_cfg, data_cfg.vocab_size if vocab is None else len(vocab))
+    key = _cache_key(src, data_cfg, data_cfg.vocab_size)
     d = _key_dir(root, src, key)
     fingerprint = src.fingerprint()
     found, why = _check_cache(d, key, fingerprint, vocab)
     if found is not None:
         return found
-    writable_dir(d, "data.cache_dir")
+    writable_dir(root, "data.cache_dir")        # before any work: one error line
+    d.mkdir(parents=True, exist_ok=True)
     with open(d / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)          # one builder per key; the others wait, then reuse
         found, why = _check_cache(d, key, fingerprint, vocab)
@@ -805,6 +814,7 @@ def _build(d: Path, src: Source, key: dict, fingerprint: list, data_cfg, vocab, 
     splits = {name: _compact_file(raw[name], d / f"{name}.u16", vocab, n_stories[name]) for name in SPLITS}
     seconds = time.perf_counter() - t0
     meta = {"format": CACHE_FORMAT, "key": key, "fingerprint": fingerprint, "vocab": vocab.tokens.tolist(),
+            "vocab_sha256": _vocab_digest(vocab.tokens.tolist()),
             "seconds": seconds, "text_bytes": text_bytes, "validation_from": "source" if own_val else "carved",
             "splits": {name: {"file": s.path.name, "stories": s.stories, "tokens": s.tokens, "bytes": s.bytes,
                               "coverage": s.coverage, "sha256_ends": _sha256_ends(s.path)}
