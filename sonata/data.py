@@ -31,7 +31,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -218,16 +218,22 @@ def split_train_val(stories: list[str], val_fraction: float) -> tuple[list[str],
 
 @lru_cache(maxsize=1)
 def _o200k_byte_table():
-    """Bytes of every o200k token as (flat uint8 array, offsets, lengths)."""
+    """Bytes of every o200k token as (flat uint8 array, offsets, lengths); special
+    tokens and unused ids stand for no bytes (encode_ordinary never emits them)."""
     enc = get_tokenizer()
-    specials = set(enc.special_tokens_set)
-    pieces = []
-    for i in range(enc.n_vocab):
-        try:  # special tokens and unused ids stand for no bytes; encode_ordinary never emits them
-            b = enc.decode_single_token_bytes(i)
-        except KeyError:
-            b = b""
-        pieces.append(b"" if b.decode("utf-8", "ignore") in specials else b)
+    pieces = [b""] * enc.n_vocab
+    ranks = getattr(enc, "_mergeable_ranks", None)     # bytes -> id: one dict walk, not 200k calls
+    if isinstance(ranks, dict) and len(ranks) > 100_000:
+        for b, i in ranks.items():
+            pieces[i] = b
+    else:
+        specials = set(enc.special_tokens_set)
+        for i in range(enc.n_vocab):
+            try:
+                b = enc.decode_single_token_bytes(i)
+            except KeyError:
+                b = b""
+            pieces[i] = b"" if b.decode("utf-8", "ignore") in specials else b
     lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     flat = np.frombuffer(b"".join(pieces), dtype=np.uint8)
@@ -250,19 +256,31 @@ class Vocab:
     EOT_ID = 256
     FIRST_TOKEN = 257
 
-    def __init__(self, tokens):
-        self.tokens = np.asarray(tokens, dtype=np.int64)  # o200k ids of the whole-token entries
-        flat, offsets, lengths = _o200k_byte_table()
-        self._to_compact = np.full(len(lengths), -1, dtype=np.int64)
-        single = np.nonzero(lengths == 1)[0]                       # single-byte tokens are bytes
-        self._to_compact[single] = flat[offsets[single]]
-        self._to_compact[self.tokens] = np.arange(len(self.tokens)) + self.FIRST_TOKEN
-        self._to_compact[get_tokenizer().eot_token] = self.EOT_ID   # only prepare's joined encoding emits it
-        self._bytes = [bytes([i]) for i in range(256)] + [EOT.encode()] + [
-            bytes(flat[offsets[t]: offsets[t] + lengths[t]]) for t in self.tokens]
+    def __init__(self, tokens, token_bytes=None):
+        """`tokens`: o200k ids of the whole-token entries; `token_bytes`: their bytes
+        (a token cache's sidecar stores them, so using a cache needs no tokenizer)."""
+        self.tokens = np.asarray(tokens, dtype=np.int64)
+        if token_bytes is None:
+            enc = get_tokenizer()
+            token_bytes = [enc.decode_single_token_bytes(int(t)) for t in self.tokens]
+        self._bytes = [bytes([i]) for i in range(256)] + [EOT.encode()] + [bytes(b) for b in token_bytes]
         # bytes each id stands for in bits-per-byte accounting; a story boundary costs 1
         self.byte_lengths = np.array([len(b) for b in self._bytes], dtype=np.int64)
         self.byte_lengths[self.EOT_ID] = 1
+
+    @cached_property
+    def _to_compact(self) -> np.ndarray:
+        """o200k id -> compact id, -1 for a token written as its bytes (built on first encode)."""
+        flat, offsets, lengths = _o200k_byte_table()
+        to_compact = np.full(len(lengths), -1, dtype=np.int64)
+        single = np.nonzero(lengths == 1)[0]                       # single-byte tokens are bytes
+        to_compact[single] = flat[offsets[single]]
+        to_compact[self.tokens] = np.arange(len(self.tokens)) + self.FIRST_TOKEN
+        to_compact[get_tokenizer().eot_token] = self.EOT_ID        # only prepare's joined encoding emits it
+        return to_compact
+
+    def token_bytes(self) -> list[bytes]:
+        return self._bytes[self.FIRST_TOKEN:]
 
     def __len__(self) -> int:
         return self.FIRST_TOKEN + len(self.tokens)
@@ -699,7 +717,8 @@ def _check_cache(d: Path, key: dict, fingerprint: list, vocab: Vocab | None):
     tokens = meta.get("vocab")
     if not isinstance(tokens, list):
         return None, "no vocabulary in the sidecar"
-    if meta.get("vocab_sha256") != _vocab_digest(tokens):
+    hexes = meta.get("vocab_bytes")
+    if not isinstance(hexes, list) or meta.get("vocab_sha256") != _vocab_digest(tokens, hexes):
         return None, "its vocabulary does not match the recorded hash"
     if vocab is not None and tokens != vocab.tokens.tolist():
         return None, "built with another vocabulary than the checkpoint's"
@@ -714,12 +733,14 @@ def _check_cache(d: Path, key: dict, fingerprint: list, vocab: Vocab | None):
         if _sha256_ends(path) != s.get("sha256_ends"):
             return None, f"{path.name} does not match its recorded hash"
         splits[name] = PreparedSplit(path, s["stories"], s["tokens"], s["bytes"], s["coverage"])
-    return Prepared(d, vocab if vocab is not None else Vocab(tokens), splits, True, meta.get("seconds", 0.0),
+    if vocab is None:
+        vocab = Vocab(tokens, [bytes.fromhex(h) for h in hexes])
+    return Prepared(d, vocab, splits, True, meta.get("seconds", 0.0),
                     meta.get("text_bytes", 0), meta.get("validation_from", "carved")), None
 
 
-def _vocab_digest(tokens: list) -> str:
-    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
+def _vocab_digest(tokens: list, hexes: list) -> str:
+    return hashlib.sha256(json.dumps([tokens, hexes]).encode()).hexdigest()
 
 
 def prepare(data_cfg, vocab: Vocab | None = None, progress: str | None = None) -> Prepared:
@@ -814,7 +835,8 @@ def _build(d: Path, src: Source, key: dict, fingerprint: list, data_cfg, vocab, 
     splits = {name: _compact_file(raw[name], d / f"{name}.u16", vocab, n_stories[name]) for name in SPLITS}
     seconds = time.perf_counter() - t0
     meta = {"format": CACHE_FORMAT, "key": key, "fingerprint": fingerprint, "vocab": vocab.tokens.tolist(),
-            "vocab_sha256": _vocab_digest(vocab.tokens.tolist()),
+            "vocab_bytes": [b.hex() for b in vocab.token_bytes()],
+            "vocab_sha256": _vocab_digest(vocab.tokens.tolist(), [b.hex() for b in vocab.token_bytes()]),
             "seconds": seconds, "text_bytes": text_bytes, "validation_from": "source" if own_val else "carved",
             "splits": {name: {"file": s.path.name, "stories": s.stories, "tokens": s.tokens, "bytes": s.bytes,
                               "coverage": s.coverage, "sha256_ends": _sha256_ends(s.path)}
