@@ -655,6 +655,7 @@ class PreparedSplit:
     tokens: int
     bytes: int                   # UTF-8 bytes the compact ids stand for (a story boundary counts 1)
     coverage: float              # share of o200k tokens kept whole (end-of-text excluded)
+    o200k_tokens: int = 0        # o200k ids before compaction (end-of-text included)
 
 
 @dataclass
@@ -732,7 +733,8 @@ def _check_cache(d: Path, key: dict, fingerprint: list, vocab: Vocab | None):
             return None, f"{path.name} is missing, truncated or the wrong size"
         if _sha256_ends(path) != s.get("sha256_ends"):
             return None, f"{path.name} does not match its recorded hash"
-        splits[name] = PreparedSplit(path, s["stories"], s["tokens"], s["bytes"], s["coverage"])
+        splits[name] = PreparedSplit(path, s["stories"], s["tokens"], s["bytes"], s["coverage"],
+                                     s.get("o200k_tokens", 0))
     if vocab is None:
         vocab = Vocab(tokens, [bytes.fromhex(h) for h in hexes])
     return Prepared(d, vocab, splits, True, meta.get("seconds", 0.0),
@@ -839,7 +841,8 @@ def _build(d: Path, src: Source, key: dict, fingerprint: list, data_cfg, vocab, 
             "vocab_sha256": _vocab_digest(vocab.tokens.tolist(), [b.hex() for b in vocab.token_bytes()]),
             "seconds": seconds, "text_bytes": text_bytes, "validation_from": "source" if own_val else "carved",
             "splits": {name: {"file": s.path.name, "stories": s.stories, "tokens": s.tokens, "bytes": s.bytes,
-                              "coverage": s.coverage, "sha256_ends": _sha256_ends(s.path)}
+                              "coverage": s.coverage, "o200k_tokens": s.o200k_tokens,
+                              "sha256_ends": _sha256_ends(s.path)}
                        for name, s in splits.items()}}
     tmp = d / f"meta.json.{pid}.tmp"
     tmp.write_text(json.dumps(meta) + "\n")
@@ -867,7 +870,7 @@ def _compact_file(raw: Path, final: Path, vocab: Vocab, stories: int) -> Prepare
         os.fsync(fout.fileno())
     raw.unlink()
     os.replace(tmp, final)
-    return PreparedSplit(final, stories, tokens, nbytes, kept / seen if seen else 1.0)
+    return PreparedSplit(final, stories, tokens, nbytes, kept / seen if seen else 1.0, n)
 
 
 # --------------------------------------------------------------------------- device data
@@ -991,12 +994,20 @@ def upload_stream(stream: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out
 
 
+def _touch_pages(t: torch.Tensor) -> None:
+    """Read one element per 4 KiB page of a memory-mapped stream (no copy)."""
+    a = t.numpy()
+    int(a[::2048].sum(dtype=np.int64))
+
+
 def build_corpus(data_cfg, device="cpu", vocab: Vocab | None = None, budget_bytes: int = 0,
                  progress: str | None = None) -> Corpus:
     """The data configuration's token cache (built once by `prepare`), memory-mapped.
-    On the CPU the streams stay memory maps (no copy). On a GPU the validation stream
-    is uploaded, and the training stream too when it fits a quarter of `budget_bytes`
-    (0: always); otherwise the sampler gathers each step's windows from the map."""
+    On the CPU the streams stay memory maps (no copy), all pages mapped at once when
+    they fit a quarter of `budget_bytes` (0: always) so the resident set does not
+    grow step by step. On a GPU the validation stream is uploaded, and the training
+    stream too when it fits a quarter of `budget_bytes` (0: always); otherwise the
+    sampler gathers each step's windows from the map."""
     prep = prepare(data_cfg, vocab, progress)
     device = torch.device(device)
     train, val = prep.stream("train"), prep.stream("validation")
@@ -1004,6 +1015,9 @@ def build_corpus(data_cfg, device="cpu", vocab: Vocab | None = None, budget_byte
         val = upload_stream(val, device)
         if not budget_bytes or 4 * train.numel() <= budget_bytes // 4:
             train = upload_stream(train, device)
+    elif not budget_bytes or 2 * train.numel() <= budget_bytes // 4:
+        for t in (train, val):       # map every page now: the resident set stays flat while training
+            _touch_pages(t)          # (else each step's windows fault new pages in: a false "leak")
     tr, va = prep.splits["train"], prep.splits["validation"]
     return Corpus(vocab=prep.vocab, train=train, val=val, n_train_stories=tr.stories,
                   n_val_stories=va.stories, coverage=tr.coverage, val_bytes=va.bytes, prepared=prep)
