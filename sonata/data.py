@@ -29,6 +29,7 @@ import re
 import socket
 import sys
 import time
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -564,7 +565,7 @@ def _txt_story_batches(path: Path):
                 return
 
 
-def _table_story_batches(batches, what):
+def _table_story_batches(batches):
     for rb in batches:
         names = rb.schema.names
         if "text" not in names:
@@ -588,13 +589,13 @@ def _parquet_story_batches(path: Path):
     names = pf.schema_arrow.names
     if "text" not in names:
         raise DataError(f"dataset has no 'text' column (columns: {', '.join(names)})")
-    yield from _table_story_batches(pf.iter_batches(batch_size=4096, columns=["text"]), path)
+    yield from _table_story_batches(pf.iter_batches(batch_size=4096, columns=["text"]))
 
 
 def story_batches(src: Source, split: str):
     """(stories, bytes read) lists of a split, in source order, streamed."""
     if src.kind == "hub":
-        yield from _table_story_batches(src.files[split].data.to_batches(max_chunksize=4096), HUB_ID)
+        yield from _table_story_batches(src.files[split].data.to_batches(max_chunksize=4096))
         return
     for p in src.files.get(split, []):
         yield from (_txt_story_batches(p) if src.kind == "txt" else _parquet_story_batches(p))
@@ -615,10 +616,10 @@ def validation_mask(n_stories: int, val_fraction: float) -> np.ndarray:
     """Which of n stories are validation stories when the source has no validation
     split: the same fixed-seed shuffle as `split_train_val`."""
     n_val = min(n_stories - 1, max(1, round(n_stories * val_fraction)))
-    order = list(range(n_stories))
-    random.Random(SPLIT_SEED).shuffle(order)
+    order = array("q", range(n_stories))        # 8 bytes per story, not a list of ints
+    random.Random(SPLIT_SEED).shuffle(order)     # same swaps as shuffling a list
     mask = np.zeros(n_stories, dtype=bool)
-    mask[order[:n_val]] = True
+    mask[np.frombuffer(order, dtype=np.int64)[:n_val]] = True
     return mask
 
 
@@ -770,9 +771,11 @@ def prepare(data_cfg, vocab: Vocab | None = None, progress: str | None = None) -
             stale.unlink(missing_ok=True)
         try:
             return _build(d, src, key, fingerprint, data_cfg, vocab, progress)
-        except OSError as e:
+        except BaseException as e:       # bad input, a full disk, Ctrl-C: no temporary file stays
             for tmp in d.glob("*.tmp"):
                 tmp.unlink(missing_ok=True)
+            if not isinstance(e, OSError):
+                raise
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DataError(f"disk full while writing the token cache in {d}; free space there "
                                 f"or set data.cache_dir to another disk") from None

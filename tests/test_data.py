@@ -398,6 +398,7 @@ def test_prepare_keeps_the_one_line_errors(tmp_path, make, fragment):
     make(p)
     with pytest.raises(DataError, match=fragment):
         prepare(DataConfig(source=str(p), cache_dir=str(tmp_path / "c")))
+    assert not list((tmp_path / "c").rglob("*.tmp")) and not list((tmp_path / "c").rglob("meta.json"))
 
 
 def test_prepare_refuses_a_parquet_without_text(tmp_path):
@@ -420,3 +421,25 @@ def test_an_unwritable_cache_dir_is_one_error_before_work(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(Exception, match="data.cache_dir .* cannot be created or written"):
         prepare(DataConfig(cache_dir=str(tmp_path / "file" / "sub")))
+
+
+def test_hub_splits_are_streamed_as_arrow_batches(tmp_path, embedded, monkeypatch):
+    """data.source=tinystories without SONATA_TINYSTORIES: the hub's own train and
+    validation splits (here an in-memory DatasetDict standing in for the download)."""
+    import datasets
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": embedded[:60]}),
+                               "validation": datasets.Dataset.from_dict({"text": embedded[60:75]})})
+    monkeypatch.delenv("SONATA_TINYSTORIES", raising=False)
+    monkeypatch.setattr(data_mod, "_hub_splits", lambda: {s: dd[s] for s in dd})
+    prep = prepare(DataConfig(source="tinystories", cache_dir=str(tmp_path), vocab_size=300))
+    assert prep.validation_from == "source" and prep.dir.name.startswith("tinystories-hub-")
+    _assert_same(prep, _reference(embedded[:60], size=300, val=embedded[60:75]))
+
+
+def test_prepare_from_the_hub_offline_fails_fast_with_a_hint(tmp_path, monkeypatch):
+    monkeypatch.delenv("SONATA_TINYSTORIES", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t = time.perf_counter()
+    with pytest.raises(DataError, match="SONATA_TINYSTORIES"):
+        prepare(DataConfig(source="tinystories", cache_dir=str(tmp_path)))
+    assert time.perf_counter() - t < 15
