@@ -632,7 +632,6 @@ def _encode_joined(stories: list[str]) -> list[np.ndarray]:
     global _POOL
     if not stories:
         return []
-    enc = get_tokenizer()
     chunks, cur, size = [], [], 0
     for s in stories:
         cur.append(s)
@@ -645,8 +644,14 @@ def _encode_joined(stories: list[str]) -> list[np.ndarray]:
     if _POOL is None:
         _POOL = ThreadPoolExecutor(max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                        else (os.cpu_count() or 1)))
-    allowed = {EOT}
-    return list(_POOL.map(lambda c: enc.encode_to_numpy(c, allowed_special=allowed, disallowed_special=()), chunks))
+    return list(_POOL.map(_encode_chunk, chunks))
+
+
+def _encode_chunk(chunk: str) -> np.ndarray:
+    enc = get_tokenizer()
+    if hasattr(enc, "encode_to_numpy"):     # tiktoken >= 0.8: no Python list of ints
+        return enc.encode_to_numpy(chunk, allowed_special={EOT}, disallowed_special=())
+    return np.array(enc.encode(chunk, allowed_special={EOT}, disallowed_special=()), dtype=np.uint32)
 
 
 @dataclass
