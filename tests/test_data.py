@@ -443,3 +443,15 @@ def test_prepare_from_the_hub_offline_fails_fast_with_a_hint(tmp_path, monkeypat
     with pytest.raises(DataError, match="SONATA_TINYSTORIES"):
         prepare(DataConfig(source="tinystories", cache_dir=str(tmp_path)))
     assert time.perf_counter() - t < 15
+
+
+def test_upload_is_chunked_and_counted(tmp_path, monkeypatch):
+    """The once-only upload copies the map in chunks (no host copy of the whole
+    stream) and gives the same ids as int32; on the CPU nothing crosses a bus."""
+    prep = prepare(DataConfig(cache_dir=str(tmp_path)))
+    mapped = prep.stream("validation")
+    monkeypatch.setattr(data_mod, "UPLOAD_CHUNK", 1000)
+    before = data_mod.h2d.bytes
+    up = data_mod.upload_stream(mapped, torch.device("cpu"))
+    assert up.dtype == torch.int32 and torch.equal(up, mapped.int())
+    assert data_mod.h2d.bytes == before
