@@ -1,7 +1,7 @@
 """sonata: a tiny Mamba language model on TinyStories, with its own selective-scan
 kernels and benchmarks that carry their own proof of validity.
 
-Modules: config (dataclasses), data (corpus, tokenizer, vocabulary, batches),
+Modules: config (dataclasses), data (corpus, tokenizer, vocabulary, token cache, batches),
 kernels (selective scan backends), autograd (kernel <-> autograd glue), model
 (MambaLM), trainer (the loop), checkpoint (atomic save, safe load), progress,
 plots, and the command line in __main__.

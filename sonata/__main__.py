@@ -1,12 +1,14 @@
-"""Command line: python -m sonata train | autotune | bench | generate.
+"""Command line: python -m sonata train | prepare | autotune | bench | generate.
 
     python -m sonata train [--out DIR] [--resume CHECKPOINT] [--nproc N] [key=value ...]
+    python -m sonata prepare [--progress MODE] [key=value ...]
     python -m sonata autotune [--json] [key=value ...]
     python -m sonata bench [--steps N] [--json] [key=value ...]
     python -m sonata generate CHECKPOINT [--prompt TEXT] [--n N] [--max-new-tokens N]
 
 A user mistake (unknown key, bad value, missing or corrupt file, empty corpus,
-unsafe checkpoint) ends with exit status 2 and one line starting `error:`.
+unsafe checkpoint, an output or cache folder that cannot be written, a full disk)
+ends with exit status 2 and one line starting `error:`.
 
 Data parallel: `python -m sonata train --nproc N ...` starts N worker processes
 (sonata.distributed.launch, torch's elastic launcher) and keeps that contract: rank
@@ -23,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from sonata.errors import SonataError, TrainingInterrupted, WorkerLost
+from sonata.errors import SonataError, TrainingInterrupted, WorkerLost, writable_dir
 
 EXIT_USAGE = 2
 
@@ -47,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="with --nproc: restart the workers up to N times when one fails; they resume "
                          "from the survivors' checkpoint (default 0)")
     tr.add_argument("overrides", nargs="*", help="config overrides as section.key=value")
+    pr = sub.add_parser("prepare", help="build (or reuse) the token cache of a data configuration; "
+                                         "one summary line per split")
+    pr.add_argument("--progress", default=None, help="auto | bar | lines | none")
+    pr.add_argument("overrides", nargs="*", help="config overrides as section.key=value (data.*)")
     at = sub.add_parser("autotune", help="measure the profile's candidate micro-batches, print the table")
     at.add_argument("--json", action="store_true", help="print the result as JSON")
     at.add_argument("--progress", default=None, help="auto | bar | lines | none")
@@ -78,6 +84,7 @@ def cmd_train(args) -> int:
 
     out = args.out or (str(Path(args.resume).parent) if args.resume
                        else f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    writable_dir(out, "output folder")       # before any work: one error line, not a traceback
     if args.nproc is not None:
         if args.nproc < 1:
             raise SonataError("--nproc must be >= 1")
@@ -111,6 +118,17 @@ def cmd_train(args) -> int:
     keys = ("steps", "tokens", "val_loss", "val_bpb", "tok_per_s_sustained", "backend", "fallbacks")
     print(json.dumps({k: summary[k] for k in keys}))
     print(f"wrote {out}/metrics.jsonl, {out}/checkpoint.pt and {out}/summary.json")
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from sonata.config import make_config
+    from sonata.data import prepare
+
+    cfg = make_config(args.overrides)
+    prep = prepare(cfg.data, progress=args.progress)
+    for line in prep.lines():
+        print(line)
     return 0
 
 
@@ -239,7 +257,7 @@ def _run(argv=None) -> int:
         args.overrides += extra
     elif extra:
         raise SonataError(f"unrecognized arguments: {' '.join(extra)}")
-    return {"train": cmd_train, "autotune": cmd_autotune, "bench": cmd_bench,
+    return {"train": cmd_train, "prepare": cmd_prepare, "autotune": cmd_autotune, "bench": cmd_bench,
             "generate": cmd_generate}[args.command](args)
 
 

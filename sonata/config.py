@@ -49,7 +49,8 @@ class DataConfig:
     vocab_size: int = 512       # compact vocabulary, total: 256 bytes + specials + most frequent tokens
     seq_len: int = 128
     val_fraction: float = 0.1
-    max_stories: int = 0        # 0: all; otherwise the first N stories of the source
+    max_stories: int = 0        # 0: all; otherwise the first N stories of the source's train split
+    cache_dir: str = ""         # token caches live here; "": $XDG_CACHE_HOME/sonata or ~/.cache/sonata
 
 
 @dataclass
@@ -212,6 +213,7 @@ class Config:
         _check(m.backend in ("auto", "reference", "cpu", "triton"),
                f"model.backend must be auto, reference, cpu or triton, not {m.backend!r}")
         _check(d.vocab_size >= 258, "data.vocab_size must be at least 258 (256 bytes + end-of-text + 1)")
+        _check(d.vocab_size <= 65536, "data.vocab_size must be at most 65536 (the token cache is uint16)")
         _check(d.seq_len > 0, "data.seq_len must be positive")
         _check(0 < d.val_fraction < 1, "data.val_fraction must be in (0, 1)")
         _check(d.max_stories >= 0, "data.max_stories must be >= 0")

@@ -5,8 +5,13 @@ Errors carry their facts as fields, so no caller parses or edits message text:
 happened), `step` (the last completed optimizer step, when the error stops a
 run), `rank` (the process the error is about, data parallel) and `agreed` (every
 rank raises it at the same point: rank 0 prints it, the others stay silent).
+`writable_dir` turns an unusable output or cache folder into one before work starts.
 """
 from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
 
 
 class SonataError(Exception):
@@ -69,3 +74,19 @@ class WorkerLost(SonataError):
                  f"--resume {self.checkpoint}" if self.checkpoint else "no checkpoint written")
         super().__init__(f"lost contact with another process of the run (it failed or stopped; its own "
                          f"message says why): {detail}", saved, *advice, **fields)
+
+
+def writable_dir(path, what: str):
+    """`path` created if needed and proven writable (a file is created and removed), or a
+    SonataError naming `what` and the reason: no permission, a path under a file, a
+    read-only filesystem, /proc. Called before any work that would write there."""
+    p = Path(path).expanduser()
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=".sonata-write-check-", dir=p)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        raise SonataError(f"{what} {p} cannot be created or written: "
+                          f"{e.strerror or type(e).__name__}") from None
+    return p

@@ -141,7 +141,8 @@ class Trainer:
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.progress_mode = progress
         vocab = Vocab.from_state_dict(state["vocab"]) if state else None
-        self.corpus: Corpus = build_corpus(cfg.data, self.device, vocab=vocab)
+        self.corpus: Corpus = build_corpus(cfg.data, self.device, vocab=vocab, progress=progress,
+                                           budget_bytes=self.profile.memory_budget_bytes)
         cfg.model.vocab_size = len(self.corpus.vocab)
         seed_everything(t.seed)
         self.model = MambaLM(cfg.model).to(self.device)
@@ -149,7 +150,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(param_groups(self.model, t.weight_decay), lr=t.lr,
                                            betas=(0.9, 0.95), eps=1e-8)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.plan.precision == "fp16")
-        self.sampler = BatchSampler(self.corpus.train, cfg.data.seq_len, seed=t.seed)
+        self.sampler = BatchSampler(self.corpus.train, cfg.data.seq_len, seed=t.seed, device=self.device)
         self.step = 0
         self.tokens = 0
         self.counters = {"nonfinite_steps": 0, "scaler_skipped_steps": 0}

@@ -1,6 +1,9 @@
 """Shared fixtures. Tests run offline; real TinyStories data is used when
 $SONATA_TINYSTORIES points at a file (CI sets it from ../shared/data)."""
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,6 +11,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("SONATA_PROGRESS", "lines")
+# Token caches (sonata.data.prepare) of this test session go to a fresh folder, never
+# the user's ~/.cache/sonata; subprocesses (CLI, notebooks) inherit it.
+_CACHE = tempfile.mkdtemp(prefix="sonata-test-cache-")
+os.environ["XDG_CACHE_HOME"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 # Without a GPU, Triton kernels are tested in its CPU interpreter, which must be
 # chosen before anything imports triton.
 from sonata.kernels import use_triton_interpreter_without_gpu  # noqa: E402

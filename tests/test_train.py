@@ -83,6 +83,9 @@ def _assert_one_error_line(r, fragment):
     (["train", "--resume", "/nonexistent/checkpoint.pt"], "checkpoint not found"),
     (["generate", "/nonexistent/checkpoint.pt"], "checkpoint not found"),
     (["frobnicate"], "invalid choice"),
+    (["train", "--out", "/proc/x/y"], "output folder /proc/x/y cannot be created or written"),
+    (["prepare", "data.cache_dir=/proc/x"], "data.cache_dir /proc/x cannot be created or written"),
+    (["prepare", "data.vocab_size=70000"], "at most 65536"),
 ])
 def test_cli_bad_input_is_one_error_line(tmp_path, args, fragment):
     _assert_one_error_line(run_cli(*args, cwd=tmp_path), fragment)
