@@ -78,6 +78,7 @@ from sonata.memory import (LeakDetector, MemoryBudgetExceeded, MemoryGuard, avai
 from sonata.kernels.timing import sync
 from sonata.model import MambaLM, param_groups
 from sonata.progress import Progress
+from sonata.tensorboard_log import TensorBoardLog
 
 MEASURE_SKIP = 2   # steps excluded from sustained tokens/s (compilation, allocator warm-up)
 
@@ -636,6 +637,7 @@ class Trainer:
         """Train to train.max_steps. `on_step(trainer, row)` may add fields to each row."""
         t = self.cfg.train
         metrics = self._open_metrics() if self.out_dir else None
+        tboard = TensorBoardLog(self.out_dir) if metrics and t.tensorboard else None
         kernels.reset_fallback_count()
         release_free_memory(self.device)
         h2d_start, d2h_start = h2d.bytes, d2h.bytes
@@ -689,6 +691,8 @@ class Trainer:
                                     or row["skipped"]):
                         metrics.write(json.dumps(row) + "\n")
                         metrics.flush()
+                        if tboard:
+                            tboard.write(row)
                     if self._consecutive_nonfinite >= t.max_nonfinite:
                         self._emergency("nonfinite")
                         raise _all_ranks(TrainingDiverged(
@@ -719,6 +723,8 @@ class Trainer:
             bar.close()
             if metrics:
                 metrics.close()
+            if tboard:
+                tboard.close()
         if last_eval is None:
             last_eval = self.evaluate()
         peak_mem, guard_peak = distributed.all_reduce_max(
