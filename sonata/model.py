@@ -3,7 +3,9 @@
 Names mirror state-spaces/mamba (in_proj, conv1d, x_proj, dt_proj, A_log, D,
 out_proj) so readers can move between codebases. The scan runs through
 `sonata.kernels.selective_scan` with the backend of `ModelConfig.backend`;
-generation runs the same recurrence one token at a time (O(1) per token).
+generation runs the same recurrence one token at a time (O(1) per token): `step` is
+the plain version, `Decoder` the fast one (preallocated buffers), after `prefill`
+has consumed the prompt in one parallel pass.
 """
 from __future__ import annotations
 
