@@ -1,10 +1,11 @@
-"""Command line: python -m sonata train | prepare | autotune | bench | generate.
+"""Command line: python -m sonata train | prepare | autotune | bench | generate | export.
 
     python -m sonata train [--out DIR] [--resume CHECKPOINT] [--nproc N] [key=value ...]
     python -m sonata prepare [--progress MODE] [key=value ...]
     python -m sonata autotune [--json] [key=value ...]
     python -m sonata bench [--steps N] [--json] [key=value ...]
-    python -m sonata generate CHECKPOINT [--prompt TEXT] [--n N] [--max-new-tokens N]
+    python -m sonata generate CHECKPOINT|DIR [--prompt TEXT] [--n N] [--max-new-tokens N]
+    python -m sonata export CHECKPOINT --hf DIR
 
 A user mistake (unknown key, bad value, missing or corrupt file, empty corpus,
 unsafe checkpoint, an output or cache folder that cannot be written, a full disk)
@@ -71,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     ge.add_argument("--temperature", type=float, default=0.8)
     ge.add_argument("--top-k", type=int, default=40)
     ge.add_argument("--seed", type=int, default=0)
+    ex = sub.add_parser("export", help="write a checkpoint as a transformers MambaForCausalLM folder")
+    ex.add_argument("checkpoint")
+    ex.add_argument("--hf", required=True, metavar="DIR", help="output folder (config.json, model.safetensors, ...)")
     return p
 
 
@@ -193,14 +197,28 @@ def torch_threads() -> int:
 
 
 def cmd_generate(args) -> int:
-    from sonata.generate import generate_text, load_model
+    from sonata.generate import load_model, stream_text
 
     if args.n < 1 or args.max_new_tokens < 0:
         raise SonataError("--n must be >= 1 and --max-new-tokens >= 0")
     model, vocab, _ = load_model(args.checkpoint)
-    for i, text in enumerate(generate_text(model, vocab, args.prompt, args.n, args.max_new_tokens,
-                                           args.temperature, args.top_k, args.seed)):
-        print(f"--- sample {i + 1}\n{text}")
+    for i in range(args.n):             # streamed: each piece printed as soon as it is sampled
+        print(f"--- sample {i + 1}\n{args.prompt}", end="", flush=True)
+        for piece in stream_text(model, vocab, args.prompt, args.max_new_tokens, args.temperature,
+                                 args.top_k, args.seed + i):
+            print(piece, end="", flush=True)
+        print(flush=True)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from sonata.generate import load_model
+    from sonata.hf import export_hf
+
+    model, vocab, cfg = load_model(args.checkpoint)
+    out = export_hf(model, vocab, args.hf, cfg)
+    print(f"wrote {out}: config.json, model.safetensors, generation_config.json, vocab.json, README.md "
+          f"({model.num_params():,} parameters; load with transformers.MambaForCausalLM.from_pretrained)")
     return 0
 
 
@@ -258,7 +276,7 @@ def _run(argv=None) -> int:
     elif extra:
         raise SonataError(f"unrecognized arguments: {' '.join(extra)}")
     return {"train": cmd_train, "prepare": cmd_prepare, "autotune": cmd_autotune, "bench": cmd_bench,
-            "generate": cmd_generate}[args.command](args)
+            "generate": cmd_generate, "export": cmd_export}[args.command](args)
 
 
 if __name__ == "__main__":

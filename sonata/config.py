@@ -33,6 +33,7 @@ class ModelConfig:
     a_param: str = "log"        # log: A = -exp(A_log), contracting by construction; direct: A is the parameter
     a_constraint: bool = False  # after each optimizer step, project A <= -a_min (every exp(delta*A) < 1)
     a_min: float = 1e-4
+    norm_eps: float = 1e-5      # RMSNorm epsilon (transformers' layer_norm_epsilon)
 
     @property
     def d_inner(self) -> int:
@@ -75,6 +76,7 @@ class TrainConfig:
     checkpoint_every_s: float = 300.0   # checkpoint when this many seconds passed since the last; 0: off
     keep_checkpoints: int = 0   # also keep the last K periodic checkpoints as checkpoint-step<N>.pt; 0: none
     log_every: int = 1          # metrics.jsonl row every N steps
+    tensorboard: bool = False   # also write every metrics row as TensorBoard scalars under the run folder
     threads: int = 0            # torch intra-op threads; 0: leave as is
     device: str = "auto"        # auto | cpu | cuda
 
@@ -233,6 +235,7 @@ class Config:
         _check(t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 = off)")
         _check(m.a_param in ("log", "direct"), f"model.a_param must be log or direct, not {m.a_param!r}")
         _check(m.a_min > 0, "model.a_min must be positive")
+        _check(m.norm_eps > 0, "model.norm_eps must be positive")
         _check(t.precision in ("auto",) + PRECISIONS,
                f"train.precision must be auto or one of {', '.join(PRECISIONS)}, not {t.precision!r}")
         p = self.profile

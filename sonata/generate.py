@@ -1,17 +1,33 @@
-"""Loading a trained model and sampling text from it (no corpus, no trainer needed)."""
+"""Loading a trained model and sampling text from it (no corpus, no trainer needed).
+
+`load_model` reads a sonata checkpoint or a transformers Mamba folder (sonata.hf);
+`generate_text` samples whole continuations in a batch, `stream_text` yields one
+continuation piece by piece as it is sampled. Both consume the prompt in one
+parallel pass and decode with `sonata.model.Decoder` (preallocated buffers).
+"""
 from __future__ import annotations
+
+import codecs
 
 import torch
 
 from sonata import checkpoint as ckpt
+from sonata import hf
 from sonata.config import Config
 from sonata.data import Vocab
 from sonata.errors import CheckpointError
-from sonata.model import MambaLM
+from sonata.model import Decoder, MambaLM, sample_next
 
 
 def load_model(path, device="cpu") -> tuple[MambaLM, Vocab, Config]:
-    """Model, vocabulary and config from a checkpoint (no corpus needed)."""
+    """Model, vocabulary and config from a checkpoint or from a folder written by
+    `python -m sonata export --hf` (no corpus needed)."""
+    if hf.is_hf_dir(path):
+        model, vocab, cfg = hf.import_hf(path, device)
+        if vocab is None:
+            raise CheckpointError(f"{path} has no sonata vocabulary ({hf.VOCAB_FILE}); load the weights "
+                                  f"alone with sonata.hf.import_hf")
+        return model, vocab, cfg
     state = ckpt.load(path, map_location=device)
     try:
         cfg = Config.from_dict(state["config"])
@@ -31,54 +47,50 @@ def generate_text(model: MambaLM, vocab: Vocab, prompt: str = "Once upon a time"
                   seed: int = 0) -> list[str]:
     """`n` continuations of `prompt`, each stopped at <|endoftext|>."""
     dev = next(model.parameters()).device
-    ids = torch.tensor([vocab.encode(prompt)] * n, dtype=torch.long, device=dev)
+    start = _context(vocab, prompt)
+    ids = torch.tensor([start] * n, dtype=torch.long, device=dev)
     g = torch.Generator(device=dev)
     g.manual_seed(seed)
     out = model.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k,
                          generator=g, stop_token=vocab.EOT_ID)
     texts = []
+    skip = 0 if prompt else 1                              # the story boundary that stood for ""
     for row in out.tolist():
-        row = row[: row.index(vocab.EOT_ID, len(ids[0]))] if vocab.EOT_ID in row[len(ids[0]):] else row
-        texts.append(vocab.decode(row))
+        row = row[: row.index(vocab.EOT_ID, len(start))] if vocab.EOT_ID in row[len(start):] else row
+        texts.append(vocab.decode(row[skip:]))
     return texts
 
 
+def _context(vocab: Vocab, prompt: str) -> list[int]:
+    """The prompt's ids; an empty prompt is a story boundary (<|endoftext|>), as in training."""
+    return vocab.encode(prompt) or [vocab.EOT_ID]
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def stream_text(model: MambaLM, vocab: Vocab, prompt: str = "Once upon a time", max_new_tokens: int = 200,
                 temperature: float = 0.8, top_k: int = 40, seed: int = 0):
     """Yield the continuation of `prompt` piece by piece as tokens are sampled (one
     sequence); each piece is complete UTF-8 text; stops at <|endoftext|>."""
-    import codecs
-
-    import torch.nn.functional as F
     dev = next(model.parameters()).device
     g = torch.Generator(device=dev)
     g.manual_seed(seed)
-    states = [layer.mixer.empty_state(1, dev) for layer in model.layers]
-    logits = None
-    for t in vocab.encode(prompt):
-        logits, states = model.step(torch.tensor([t], device=dev), states)
+    ids = _context(vocab, prompt)
+    if max_new_tokens <= 0:
+        return
+    dec = Decoder(model, 1)
+    logits = dec.prefill(torch.tensor([ids], dtype=torch.long, device=dev))
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    for _ in range(max_new_tokens):
-        if logits is None:
-            break
-        if temperature <= 0:
-            nxt = logits.argmax(-1)
-        else:
-            lg = logits.float() / temperature
-            if top_k:
-                kth = lg.topk(min(top_k, lg.shape[-1]), dim=-1).values[:, -1:]
-                lg = lg.masked_fill(lg < kth, float("-inf"))
-            nxt = torch.multinomial(F.softmax(lg, -1), 1, generator=g)[:, 0]
+    nxt = torch.empty(1, dtype=torch.long, device=dev)
+    for i in range(max_new_tokens):
+        sample_next(logits, temperature, top_k, g, out=nxt)
         tok = int(nxt)
         if tok == vocab.EOT_ID:
             break
         piece = decoder.decode(vocab.decode_bytes([tok]))
         if piece:
             yield piece
-        logits, states = model.step(nxt, states)
+        if i + 1 < max_new_tokens:
+            logits = dec.step(nxt)
     tail = decoder.decode(b"", final=True)
     if tail:
         yield tail

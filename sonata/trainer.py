@@ -38,6 +38,7 @@ from sonata.model import MambaLM, param_groups
 from sonata.plan import Plan, plan_batch, resumed_inputs
 from sonata.progress import Progress
 from sonata.rng import rng_state, seed_everything, set_rng_state
+from sonata.tensorboard_log import TensorBoardLog
 
 MEASURE_SKIP = 2   # steps excluded from sustained tokens/s (compilation, allocator warm-up)
 
@@ -376,6 +377,7 @@ class Trainer:
         t_start = time.perf_counter()
         self._prepare()
         metrics = self._open_metrics() if self.out_dir else None
+        tboard = TensorBoardLog(self.out_dir) if metrics and t.tensorboard else None
         speed = _Throughput()
         last_eval: EvalResult | None = None
         peak_all = 0
@@ -399,6 +401,8 @@ class Trainer:
                     if metrics and (self.step % t.log_every == 0 or final or "val_loss" in row
                                     or row["skipped"]):
                         metrics.write(row)
+                        if tboard:
+                            tboard.write(row)
                     self._stop_if_diverged()
                     if self._checkpoint_due(final):
                         self.save_checkpoint()
@@ -416,6 +420,8 @@ class Trainer:
         finally:
             if metrics:
                 metrics.close()
+            if tboard:
+                tboard.close()
         return self._finish(last_eval or self.evaluate(), speed, time.perf_counter() - t_start)
 
     def _prepare(self) -> None:

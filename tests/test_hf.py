@@ -1,0 +1,211 @@
+"""Hugging Face interchange against transformers' MambaForCausalLM as the peer oracle
+(random weights saved to a temporary folder, CPU only, nothing downloaded), and the
+fast decoder against the model's plain token-by-token reference."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from sonata import checkpoint as ckpt
+from sonata.config import Config, ModelConfig
+from sonata.data import Vocab
+from sonata.errors import CheckpointError, SonataError
+from sonata.generate import generate_text, load_model, stream_text
+from sonata.hf import export_hf, import_hf
+from sonata.model import Decoder, MambaLM
+
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+VOCAB = 300
+
+
+def _vocab() -> Vocab:
+    return Vocab(np.arange(1000, 1000 + VOCAB - Vocab.FIRST_TOKEN))
+
+
+def _sonata(a_param="log", seed=0, **kw) -> MambaLM:
+    """A small MambaLM with every parameter moved off its initial value (D=1, norms=1 and
+    S4D-real A would let a wrong mapping pass)."""
+    torch.manual_seed(seed)
+    m = MambaLM(ModelConfig(d_model=32, n_layers=2, d_state=8, vocab_size=VOCAB, a_param=a_param,
+                            **kw)).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("A_param"):
+                p.mul_(torch.empty_like(p).uniform_(0.5, 1.5))
+            elif name.endswith("A_log"):
+                p.add_(torch.randn_like(p) * 0.3)
+            elif p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.2)
+            else:
+                p.mul_(torch.empty_like(p).uniform_(0.7, 1.3))
+    return m
+
+
+def _hf(path):
+    return transformers.MambaForCausalLM.from_pretrained(str(path)).eval()
+
+
+def _ids(b=3, t=19, seed=1):
+    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("a_param", ["log", "direct"])
+def test_export_logits_match_transformers(tmp_path, a_param):
+    m = _sonata(a_param)
+    export_hf(m, _vocab(), tmp_path / "hf")
+    conf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert conf["model_type"] == "mamba" and conf["use_bias"] is False and conf["use_conv_bias"] is True
+    assert (conf["hidden_size"], conf["num_hidden_layers"], conf["state_size"], conf["intermediate_size"],
+            conf["time_step_rank"], conf["vocab_size"]) == (32, 2, 8, 64, 2, VOCAB)
+    for f in ("generation_config.json", "vocab.json", "README.md"):
+        assert (tmp_path / "hf" / f).exists()
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "backbone.embeddings.weight" in keys and "lm_head.weight" not in keys   # tied: stored once
+    hf = _hf(tmp_path / "hf")
+    assert hf.lm_head.weight.data_ptr() == hf.backbone.embeddings.weight.data_ptr()
+    idx = _ids()
+    with torch.no_grad():
+        ours, theirs = m(idx), hf(idx).logits
+    assert theirs.shape == ours.shape
+    assert (ours - theirs).abs().max().item() < 1e-4
+    assert ours.std().item() > 0.1                                     # not trivially equal
+
+
+def test_import_of_random_transformers_model_gives_same_logits(tmp_path):
+    torch.manual_seed(3)
+    conf = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3, state_size=6,
+                                    expand=2, conv_kernel=3, time_step_rank=5, layer_norm_epsilon=1e-6)
+    hf = transformers.MambaForCausalLM(conf).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    m, vocab, cfg = import_hf(tmp_path / "hf")
+    assert vocab is None and cfg.model.dt_rank == 5 and cfg.model.d_conv == 3 and cfg.model.norm_eps == 1e-6
+    idx = _ids(2, 23)
+    with torch.no_grad():
+        assert (m(idx) - hf(idx).logits).abs().max().item() < 1e-4
+    # the imported model trains: gradients reach every parameter
+    loss = torch.nn.functional.cross_entropy(m.train()(idx).flatten(0, 1), idx.flatten())
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+    # a folder without sonata's vocabulary cannot be sampled as text: one clear error
+    with pytest.raises(CheckpointError, match="no sonata vocabulary"):
+        load_model(tmp_path / "hf")
+
+
+def test_greedy_64_tokens_same_ids_as_transformers(tmp_path):
+    m = _sonata(seed=4)
+    export_hf(m, _vocab(), tmp_path / "hf")
+    hf = _hf(tmp_path / "hf")
+    prompt = _ids(2, 7, seed=5)
+    ours = m.generate(prompt, 64, temperature=0)
+    with torch.no_grad():
+        theirs = hf.generate(prompt, max_new_tokens=64, do_sample=False, eos_token_id=None,
+                             pad_token_id=Vocab.EOT_ID, attention_mask=torch.ones_like(prompt))
+    assert theirs.shape == ours.shape == (2, 7 + 64)
+    assert torch.equal(ours, theirs)
+    assert len(set(ours[0, 7:].tolist())) > 1
+
+
+def test_direct_A_not_negative_everywhere_is_refused(tmp_path):
+    m = _sonata("direct")
+    with torch.no_grad():
+        m.layers[1].mixer.A_param[3, 2] = 0.01
+    with pytest.raises(SonataError, match=r"layers\.1\.mixer\.A_param has 1 entries >= 0"):
+        export_hf(m, _vocab(), tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def _checkpoint(tmp_path, m: MambaLM, name="ck.pt"):
+    cfg = Config()
+    cfg.model = m.cfg
+    path = tmp_path / name
+    ckpt.save({"model": m.state_dict(), "config": cfg.to_dict(), "vocab": _vocab().state_dict()}, path)
+    return path
+
+
+def _cli(*args):
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "sonata", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def test_cli_export_then_load_back_and_generate(tmp_path):
+    m = _sonata(seed=6)
+    path = _checkpoint(tmp_path, m)
+    r = _cli("export", str(path), "--hf", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    back, vocab, cfg = load_model(tmp_path / "out")
+    assert torch.equal(torch.from_numpy(vocab.tokens), torch.from_numpy(_vocab().tokens))
+    idx = _ids()
+    with torch.no_grad():
+        assert torch.allclose(back(idx), m(idx), atol=1e-6)
+    g = _cli("generate", str(tmp_path / "out"), "--n", "2", "--max-new-tokens", "8", "--prompt", "Once")
+    assert g.returncode == 0, g.stderr
+    assert g.stdout.count("--- sample") == 2 and g.stdout.count("\nOnce") == 2
+
+
+def test_cli_export_refuses_positive_direct_A_with_one_error_line(tmp_path):
+    m = _sonata("direct", seed=7)
+    with torch.no_grad():
+        m.layers[0].mixer.A_param[0, 0] = 0.5
+    r = _cli("export", str(_checkpoint(tmp_path, m)), "--hf", str(tmp_path / "out"))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot export to transformers")
+
+
+def test_import_refuses_foreign_folders(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba2", "hidden_size": 8}))
+    with pytest.raises(CheckpointError, match="Mamba-1"):
+        import_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "mamba", "hidden_size": 32, "num_hidden_layers": 2, "state_size": 8, "expand": 2,
+         "vocab_size": VOCAB}))
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        import_hf(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 10)
+    with pytest.raises(CheckpointError, match="cannot read the weights"):
+        import_hf(tmp_path)
+
+
+# --------------------------------------------------------------------------- fast decoding
+
+def test_decoder_matches_the_reference_step_and_parallel_forward():
+    m = _sonata(seed=8, backend="reference").double()
+    idx = _ids(3, 17)
+    with torch.no_grad():
+        full = m(idx)
+        dec = Decoder(m, 3)
+        first = dec.prefill(idx[:, :2]).clone()                          # shorter than d_conv
+        assert torch.allclose(first, full[:, 1], atol=1e-10)
+        for t in range(2, 17):
+            assert torch.allclose(dec.step(idx[:, t]), full[:, t], atol=1e-10), t
+
+
+@pytest.mark.parametrize("temperature,top_k", [(0.0, 0), (0.9, 20), (1.0, 0)])
+def test_fast_generate_equals_reference_generate(temperature, top_k):
+    m = _sonata(seed=9)
+    prompt = _ids(4, 6)
+    g1, g2 = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+    fast = m.generate(prompt, 40, temperature=temperature, top_k=top_k, generator=g1)
+    ref = m.generate_reference(prompt, 40, temperature=temperature, top_k=top_k, generator=g2)
+    assert torch.equal(fast, ref)
+
+
+def test_stream_text_equals_batch_generation():
+    m = _sonata(seed=10)
+    vocab = _vocab()
+    for prompt in ("Once upon", ""):
+        streamed = "".join(stream_text(m, vocab, prompt, 30, temperature=0.8, top_k=10, seed=3))
+        whole = generate_text(m, vocab, prompt, n=1, max_new_tokens=30, temperature=0.8, top_k=10, seed=3)[0]
+        assert prompt + streamed == whole
