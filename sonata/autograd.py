@@ -18,6 +18,25 @@ from __future__ import annotations
 import torch
 
 
+class RMSNormFn(torch.autograd.Function):
+    """out = RMSNormFn.apply(impl, x, weight, eps): a backend's fused RMSNorm
+    (rms_norm_forward(x, weight, eps) -> (out, rstd); rms_norm_backward(dout, x, weight, rstd)
+    -> (dx, dweight)). Saves x and the per-row 1/rms."""
+
+    @staticmethod
+    def forward(ctx, impl, x, weight, eps):
+        out, rstd = impl.rms_norm_forward(x, weight, eps)
+        ctx.impl = impl
+        ctx.save_for_backward(x, weight, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = ctx.impl.rms_norm_backward(dout, x, weight, rstd)
+        return None, dx, dw, None
+
+
 class ConvSiluFn(torch.autograd.Function):
     """out = ConvSiluFn.apply(impl, x, weight, bias): the fused depthwise causal conv + SiLU of a
     backend module with conv_silu_forward(x, weight, bias) -> out and

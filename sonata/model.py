@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sonata.config import ModelConfig
-from sonata.kernels import conv_silu, selective_scan
+from sonata.kernels import conv_silu, rms_norm, selective_scan
 from sonata.kernels.reference import step as scan_step
 
 
@@ -42,13 +42,16 @@ class QLinear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, d: int, eps: float = 1e-5):
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dimension; fused on the `cpu` backend."""
+
+    def __init__(self, d: int, eps: float = 1e-5, backend: str = "reference"):
         super().__init__()
         self.eps = eps
+        self.backend = backend
         self.weight = nn.Parameter(torch.ones(d))
 
     def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return rms_norm(x, self.weight, self.eps, backend=self.backend)
 
 
 class MambaMixer(nn.Module):
@@ -134,7 +137,7 @@ class MambaBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.norm = RMSNorm(cfg.d_model)
+        self.norm = RMSNorm(cfg.d_model, backend=cfg.backend)
         self.mixer = MambaMixer(cfg)
 
     def forward(self, h):
@@ -153,7 +156,7 @@ class MambaLM(nn.Module):
         self.cfg = cfg
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(MambaBlock(cfg) for _ in range(cfg.n_layers))
-        self.norm_f = RMSNorm(cfg.d_model)
+        self.norm_f = RMSNorm(cfg.d_model, backend=cfg.backend)
         self.lm_head = QLinear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.embedding.weight                     # tied
         self._init_weights()

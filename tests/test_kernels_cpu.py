@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("numba")
 
 from sonata.kernels import cpu  # noqa: E402
-from sonata.kernels import conv_silu, fallback_count, selective_scan, selective_scan_ref  # noqa: E402
+from sonata.kernels import conv_silu, fallback_count, rms_norm, selective_scan, selective_scan_ref  # noqa: E402
 
 GRAD_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
 
@@ -356,3 +356,23 @@ def test_conv_silu_deterministic_across_threads(nan_empty):
         torch.set_num_threads(threads)
     for a, c in zip(*results):
         assert torch.equal(a, c), f"seed={seed}"
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+@pytest.mark.parametrize("shape", [(3, 70, 96), (5, 33), (1, 1, 7)])
+def test_rms_norm_matches_reference(nan_empty, shape):
+    """The fused RMSNorm against the float64 reference: output, dx and dweight."""
+    seed = new_seed()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64) * 3
+    w = torch.randn(shape[-1], generator=g, dtype=torch.float64)
+    dout = torch.randn(*shape, generator=g, dtype=torch.float64)
+    results = {}
+    for name, dtype in (("cpu", torch.float32), ("reference", torch.float64)):
+        x_, w_ = (t.detach().to(dtype).requires_grad_() for t in (x, w))
+        out = rms_norm(x_, w_, 1e-5, backend=name)
+        results[name] = (out, *torch.autograd.grad((out.double() * dout).sum(), [x_, w_]))
+    for label, got, ref in zip(("out", "dx", "dweight"), results["cpu"], results["reference"]):
+        assert got.dtype == torch.float32 and got.shape == ref.shape, label
+        check_close(label, got, ref, seed, 1e-4, 2e-4, 2e-5)

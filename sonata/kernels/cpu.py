@@ -672,6 +672,42 @@ def _conv_silu_backward_kernel(dout, x, weight, bias, n_workers, dx, dweight, db
             item = _take(queue)
 
 
+# --------------------------------------------------------------------------- RMSNorm
+
+# RMSNorm over the last dimension of the residual stream, rows = batch * L:
+#   r = 1 / sqrt(mean(x^2) + eps),  out = x * r * w
+#   dx = r * (g w) - x * r^3 * mean(g w x),  dw = sum_rows g * x * r
+# Single-threaded (a few hundred KiB: a parallel pass would cost more to start than it saves),
+# rows in order, so dw sums in a fixed order: deterministic.
+
+@njit(**_vec)
+def _rms_norm_forward_kernel(x, w, eps, out, rstd):
+    rows, d = x.shape
+    for i in range(rows):
+        ss = x.dtype.type(0)
+        for j in range(d):
+            ss += x[i, j] * x[i, j]
+        r = x.dtype.type(1) / np.sqrt(ss / d + eps)
+        rstd[i] = r
+        for j in range(d):
+            out[i, j] = x[i, j] * r * w[j]
+
+
+@njit(**_vec)
+def _rms_norm_backward_kernel(dout, x, w, rstd, dx, dw):
+    rows, d = x.shape
+    dw[:] = 0
+    for i in range(rows):
+        r = rstd[i]
+        dot = x.dtype.type(0)
+        for j in range(d):
+            dot += dout[i, j] * w[j] * x[i, j]
+        c = r * r * r * dot / d
+        for j in range(d):
+            dx[i, j] = r * dout[i, j] * w[j] - x[i, j] * c
+            dw[j] += dout[i, j] * x[i, j] * r
+
+
 # --------------------------------------------------------------------------- torch glue
 
 def _set_threads() -> int:
@@ -787,3 +823,24 @@ def conv_silu_backward(dout, x, weight, bias):
     _conv_silu_backward_kernel(_np(dout, ct), _np(x, ct), _np(weight.reshape(weight.shape[0], -1), ct),
                                _np(bias, ct), n_workers, dx.numpy(), dw.numpy(), db.numpy())
     return dx.to(x.dtype), dw.reshape(weight.shape).to(weight.dtype), db.to(bias.dtype)
+
+
+def rms_norm_forward(x, weight, eps):
+    """x (..., d) -> (out like x, rstd (rows,) in the compute dtype, saved for the backward)."""
+    ct = compute_dtype(x.dtype)
+    x2 = _np(x.reshape(-1, x.shape[-1]), ct)
+    out = torch.empty(x2.shape, dtype=ct)
+    rstd = torch.empty(x2.shape[0], dtype=ct)
+    _rms_norm_forward_kernel(x2, _np(weight, ct), float(eps), out.numpy(), rstd.numpy())
+    return out.reshape(x.shape).to(x.dtype), rstd
+
+
+def rms_norm_backward(dout, x, weight, rstd):
+    """-> (dx like x, dweight like weight)."""
+    ct = compute_dtype(x.dtype)
+    d = x.shape[-1]
+    dx = torch.empty((rstd.shape[0], d), dtype=ct)
+    dw = torch.empty(d, dtype=ct)
+    _rms_norm_backward_kernel(_np(dout.reshape(-1, d), ct), _np(x.reshape(-1, d), ct),
+                              _np(weight, ct), rstd.numpy(), dx.numpy(), dw.numpy())
+    return dx.reshape(x.shape).to(x.dtype), dw.to(weight.dtype)

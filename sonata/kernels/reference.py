@@ -80,3 +80,8 @@ def conv_silu_ref(x, weight, bias=None):
     L = x.shape[1]
     pre = F.conv1d(x.transpose(1, 2), weight.reshape(dim, 1, K), bias, padding=K - 1, groups=dim)
     return F.silu(pre[..., :L]).transpose(1, 2)
+
+
+def rms_norm_ref(x, weight, eps):
+    """RMSNorm over the last dimension: x * rsqrt(mean(x^2) + eps) * weight. Autograd flows."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
