@@ -1,9 +1,11 @@
-"""Training tokens/s of the seed configuration, per scan backend and for mambapy.
+"""Training tokens/s of the seed configuration, per scan backend, for mambapy and the scan-free peer.
 
     python benchmarks/train_speed.py [--steps 6] [--rounds 3] [--batches 8 32] [--threads 2]
 
 Seed configuration: d_model 96, 2 layers, d_state 16, seq_len 128, vocabulary 512,
-fp32. One training step = forward, cross-entropy, backward, AdamW step. Warm-up
+fp32. The scan-free peer (`peer-free`) is mambapy's model with its scan replaced by an
+O(batch * L * d_inner) stand-in (sonata.peers.free_scan): what a step costs with the scan
+for free. One training step = forward, cross-entropy, backward, AdamW step. Warm-up
 steps are excluded; models are measured in interleaved rounds and the median round
 is reported, so machine noise hits every column alike. Also: bytes saved for
 backward per token (activations kept by autograd, parameters excluded), measured
@@ -34,12 +36,14 @@ from sonata.peers import mambapy_lm  # noqa: E402
 
 SEED = dict(d_model=96, n_layers=2, d_state=16, vocab_size=512)
 SEQ_LEN = 128
+PEERS = ("peer-free", "mambapy")      # the columns every model is compared with
 
 
 def build(name, device):
     torch.manual_seed(0)
-    if name == "mambapy":
-        return mambapy_lm(SEED["d_model"], SEED["n_layers"], SEED["d_state"], SEED["vocab_size"], device)
+    if name in ("mambapy", "peer-free"):
+        return mambapy_lm(SEED["d_model"], SEED["n_layers"], SEED["d_state"], SEED["vocab_size"], device,
+                          scan_free=name == "peer-free")
     return MambaLM(ModelConfig(backend=name, **SEED)).to(device)
 
 
@@ -79,8 +83,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
-    names = args.models or (["reference", "cpu", "mambapy"] if dev.type == "cpu"
-                            else ["reference", "triton", "mambapy"])
+    names = args.models or (["reference", "cpu", "peer-free", "mambapy"] if dev.type == "cpu"
+                            else ["reference", "triton", "peer-free", "mambapy"])
     print(hardware_line(dev))
     rows = []
     for batch in args.batches:
@@ -104,22 +108,21 @@ def main(argv=None):
                 sync(dev)
                 per_round[n].append(args.steps * x.numel() / (time.perf_counter() - t0))
         fallbacks = fallback_count() - before
-        ref = statistics.median(per_round["mambapy"]) if "mambapy" in per_round else None
-        ref_saved = saved.get("mambapy")
+        med = {n: statistics.median(per_round[n]) for n in names}
         for n in names:
-            tps = statistics.median(per_round[n])
-            ran = n if n == "mambapy" else resolve_backend(n, x.float())[0]
-            rows.append([n if ran == n else f"{n} (ran {ran})", batch, f"{tps:,.0f}",
-                         f"{tps / ref:.2f}x" if ref else "-",
-                         f"{saved[n]:,.0f}", f"{saved[n] / ref_saved:.2f}" if ref_saved else "-",
+            ran = n if n in PEERS else resolve_backend(n, x.float())[0]
+            rows.append([n if ran == n else f"{n} (ran {ran})", batch, f"{med[n]:,.0f}",
+                         *(f"{med[n] / med[p]:.2f}x" if p in med else "-" for p in PEERS),
+                         f"{saved[n]:,.0f}",
                          f"{min(per_round[n]):,.0f}-{max(per_round[n]):,.0f}"])
         if fallbacks:
             print(f"note: {fallbacks} scans fell back to the reference at micro-batch {batch}")
-    print_table(["model", "micro-batch", "tokens/s (median)", "vs mambapy", "saved B/token",
-                 "saved vs mambapy", "tokens/s range"], rows,
+    print_table(["model", "micro-batch", "tokens/s (median)", "vs scan-free peer", "vs mambapy",
+                 "saved B/token", "tokens/s range"], rows,
                 title=f"training speed, seed config (d_model 96, 2 layers, d_state 16, L {SEQ_LEN}, "
-                      f"vocab 512, fp32), {args.rounds} rounds x {args.steps} steps, "
-                      f"{args.warmup} warm-up steps excluded")
+                      f"vocab 512, fp32), {args.rounds} interleaved rounds x {args.steps} steps, "
+                      f"{args.warmup} warm-up steps excluded; scan-free peer = mambapy with its scan "
+                      f"replaced by sonata.peers.free_scan")
     if not args.no_validity:
         # the same batches through sonata's own trainer and harness: each figure with its checks
         validity_table(args.batches, steps=30, threads=args.threads)

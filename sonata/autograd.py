@@ -18,6 +18,44 @@ from __future__ import annotations
 import torch
 
 
+class RMSNormFn(torch.autograd.Function):
+    """out = RMSNormFn.apply(impl, x, weight, eps): a backend's fused RMSNorm
+    (rms_norm_forward(x, weight, eps) -> (out, rstd); rms_norm_backward(dout, x, weight, rstd)
+    -> (dx, dweight)). Saves x and the per-row 1/rms."""
+
+    @staticmethod
+    def forward(ctx, impl, x, weight, eps):
+        out, rstd = impl.rms_norm_forward(x, weight, eps)
+        ctx.impl = impl
+        ctx.save_for_backward(x, weight, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = ctx.impl.rms_norm_backward(dout, x, weight, rstd)
+        return None, dx, dw, None
+
+
+class ConvSiluFn(torch.autograd.Function):
+    """out = ConvSiluFn.apply(impl, x, weight, bias): the fused depthwise causal conv + SiLU of a
+    backend module with conv_silu_forward(x, weight, bias) -> out and
+    conv_silu_backward(dout, x, weight, bias) -> (dx, dweight, dbias). Saves only its inputs
+    (the backward recomputes the pre-activation)."""
+
+    @staticmethod
+    def forward(ctx, impl, x, weight, bias):
+        ctx.impl = impl
+        ctx.save_for_backward(x, weight, bias)
+        return impl.conv_silu_forward(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight, bias = ctx.saved_tensors
+        dx, dw, db = ctx.impl.conv_silu_backward(dout, x, weight, bias)
+        return None, dx, dw, db
+
+
 class SelectiveScanFn(torch.autograd.Function):
     """out, last_state = SelectiveScanFn.apply(impl, u, delta, A, B, C, D, z, delta_bias, softplus)."""
 

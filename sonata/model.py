@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sonata.config import ModelConfig
-from sonata.kernels import selective_scan
+from sonata.kernels import conv_silu, rms_norm, selective_scan
 from sonata.kernels.reference import step as scan_step
 
 
@@ -45,13 +45,16 @@ class QLinear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, d: int, eps: float = 1e-5):
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dimension; fused on the `cpu` backend."""
+
+    def __init__(self, d: int, eps: float = 1e-5, backend: str = "reference"):
         super().__init__()
         self.eps = eps
+        self.backend = backend
         self.weight = nn.Parameter(torch.ones(d))
 
     def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return rms_norm(x, self.weight, self.eps, backend=self.backend)
 
 
 class MambaMixer(nn.Module):
@@ -105,14 +108,15 @@ class MambaMixer(nn.Module):
         return delta, B.transpose(1, 2), C.transpose(1, 2)
 
     def forward(self, h):                                               # h (b, L, d)
-        L = h.shape[1]
-        xz = self.in_proj(h).transpose(1, 2)                            # (b, 2di, L)
-        x, z = xz.chunk(2, dim=1)                                       # (b, di, L) each
-        x = F.silu(self.conv1d(x)[..., :L])
-        delta, B, C = self._ssm_inputs(x.transpose(1, 2))
-        y = selective_scan(x.contiguous(), delta.contiguous(), self.A, B.contiguous(), C.contiguous(),
-                           self.D.float(), z=z.contiguous(), delta_bias=self.dt_proj.bias.float(),
-                           delta_softplus=True, backend=self.cfg.backend)   # (b, di, L)
+        # Activations stay in the (b, L, channels) layout of the projections end to end; the
+        # scan gets (b, di, L) views of them (its kernels read strides) and writes its output
+        # and gradients in the same layout, so no transpose is ever copied into fresh memory.
+        x, z = self.in_proj(h).chunk(2, dim=-1)                         # (b, L, di) views
+        x = conv_silu(x, self.conv1d.weight, self.conv1d.bias, backend=self.cfg.backend)  # (b, L, di)
+        delta, B, C = self._ssm_inputs(x)                               # (b, di, L), (b, n, L) views
+        y = selective_scan(x.transpose(1, 2), delta, self.A, B, C, self.D.float(),
+                           z=z.transpose(1, 2), delta_bias=self.dt_proj.bias.float(),
+                           delta_softplus=True, backend=self.cfg.backend)   # (b, di, L) view
         return self.out_proj(y.transpose(1, 2))
 
     def empty_state(self, batch: int, device, dtype=torch.float32):
@@ -153,7 +157,7 @@ class MambaBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, backend=cfg.backend)
         self.mixer = MambaMixer(cfg)
 
     def forward(self, h):
@@ -176,7 +180,7 @@ class MambaLM(nn.Module):
         self.cfg = cfg
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(MambaBlock(cfg) for _ in range(cfg.n_layers))
-        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps, backend=cfg.backend)
         self.lm_head = QLinear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.embedding.weight                     # tied
         self._init_weights()

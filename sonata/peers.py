@@ -32,12 +32,25 @@ def import_mambapy():
     return mambapy
 
 
-def mambapy_lm(d_model, n_layers, d_state, vocab_size, device="cpu"):
-    """mambapy's LM at the given size, with tied embeddings like sonata's (same parameter count)."""
+def free_scan(x, delta, A, B, C, D):
+    """A stand-in for the selective scan that costs O(batch * L * d_inner): no state, no
+    recurrence, but every input reaches the output (so every gradient flows), in mambapy's
+    layout: x, delta (b, L, d); A (d, N); B, C (b, L, N); D (d,) -> (b, L, d). The "scan-free
+    peer" is mambapy's model with its scan replaced by this: what its step costs outside
+    the scan."""
+    return x * delta * ((B * C).sum(-1, keepdim=True) + A.sum(-1)) + D * x
+
+
+def mambapy_lm(d_model, n_layers, d_state, vocab_size, device="cpu", scan_free=False):
+    """mambapy's LM at the given size, with tied embeddings like sonata's (same parameter count);
+    scan_free: every block's scan replaced by `free_scan`."""
     mp = import_mambapy()
     cfg = mp.mamba.MambaConfig(d_model=d_model, n_layers=n_layers, d_state=d_state, pscan=True)
     lm = mp.lm.LM(cfg, vocab_size=vocab_size)
     lm.lm_head.weight = lm.embedding.weight
+    if scan_free:
+        for layer in lm.mamba.layers:
+            layer.mixer.selective_scan = free_scan      # instance attribute: called without self
     return lm.to(device)
 
 

@@ -10,6 +10,12 @@ tensors under TRITON_INTERPRET=1). `auto` picks triton on CUDA and cpu on CPU.
 When a requested fast path cannot run, the reference runs instead, a
 process-wide fallback counter moves (`fallback_count()`) and a warning names
 the reason once per reason. The trainer reports the counter every step.
+
+Around the scan, `rms_norm(x, weight, eps, backend)` (the blocks' RMSNorm) and
+`conv_silu(x, weight, bias, backend)` (the model's the model's depthwise causal
+convolution + SiLU in the activations' (batch, L, dim) layout: fused in numba for the
+`cpu` backend (forward and backward), PyTorch ops (`conv_silu_ref`) for the others, which
+is their design and not a fallback; `cpu` falling back (no numba, a GPU tensor) counts.
 """
 from __future__ import annotations
 
@@ -21,8 +27,8 @@ import warnings
 
 import torch
 
-from sonata.autograd import fused_scan
-from sonata.kernels.reference import selective_scan_ref
+from sonata.autograd import ConvSiluFn, RMSNormFn, fused_scan
+from sonata.kernels.reference import conv_silu_ref, rms_norm_ref, selective_scan_ref
 
 BACKENDS = ("auto", "reference", "cpu", "triton")
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -111,5 +117,34 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None,
     return (out, last_state) if return_last_state else out
 
 
-__all__ = ["selective_scan", "selective_scan_ref", "fallback_count", "reset_fallback_count",
+def _fused_cpu(backend, x):
+    """The cpu backend module when `backend` resolves to it for x, else None (a `cpu` request
+    that cannot run counts as a fallback; other backends use PyTorch ops by design)."""
+    name, reason = resolve_backend(backend, x)
+    if name == "cpu":
+        return _load("cpu")[0]
+    if reason is not None and backend == "cpu":
+        _record_fallback(reason)
+    return None
+
+
+def rms_norm(x, weight, eps, backend="auto"):
+    """x * rsqrt(mean(x^2, -1) + eps) * weight for x (..., d), weight (d,)."""
+    impl = _fused_cpu(backend, x)
+    if impl is not None:
+        return RMSNormFn.apply(impl, x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def conv_silu(x, weight, bias, backend="auto"):
+    """silu(depthwise causal conv1d(x) + bias): x (batch, L, dim), any strides -> (batch, L, dim);
+    weight (dim, 1, K), bias (dim,). See the module docstring for which backend fuses it."""
+    impl = _fused_cpu(backend, x)
+    if impl is not None:
+        return ConvSiluFn.apply(impl, x, weight, bias)
+    return conv_silu_ref(x, weight, bias)
+
+
+__all__ = ["selective_scan", "selective_scan_ref", "conv_silu", "conv_silu_ref",
+           "rms_norm", "rms_norm_ref", "fallback_count", "reset_fallback_count",
            "resolve_backend", "use_triton_interpreter_without_gpu", "BACKENDS"]

@@ -69,3 +69,19 @@ def step(h, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=F
     if z is not None:
         y = y * F.silu(z)
     return y, h
+
+
+def conv_silu_ref(x, weight, bias=None):
+    """The model's depthwise causal convolution and SiLU, in the activations' layout:
+    x (batch, L, dim) -> silu(conv1d(x over time, kernel K, causal) + bias), (batch, L, dim).
+    weight (dim, 1, K) or (dim, K); bias (dim,). out[b, t] = silu(bias + sum_k weight[:, k] *
+    x[b, t - K + 1 + k]) with x = 0 before the start. Autograd flows through it."""
+    dim, K = weight.shape[0], weight.shape[-1]
+    L = x.shape[1]
+    pre = F.conv1d(x.transpose(1, 2), weight.reshape(dim, 1, K), bias, padding=K - 1, groups=dim)
+    return F.silu(pre[..., :L]).transpose(1, 2)
+
+
+def rms_norm_ref(x, weight, eps):
+    """RMSNorm over the last dimension: x * rsqrt(mean(x^2) + eps) * weight. Autograd flows."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
