@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from sonata import kernels
-from sonata.memory import PeakSampler, fmt_mib, is_out_of_memory, release_free_memory
+from sonata.memory import PeakSampler, fmt_mib, is_out_of_memory, release_free_memory, too_few_steps
 
 WARMUP_STEPS = 2
 MEASURED_STEPS = 3
@@ -227,10 +227,30 @@ def sustained_and_peak(overrides, sustained_steps: int, peak_micro: int, peak_st
                      "micro x accum": f"{s['micro_batch']} x {s['accumulation']}",
                      "steps": s["steps"], "tokens": s["tokens"],
                      "end-to-end tok/s": round(s["tokens"] / s["wall_s"]),
-                     "steps-only tok/s": round(s["tok_per_s_sustained"] or 0),
+                     "steps-only tok/s": (too_few_steps(MEASURE_SKIP + 1) if s["tok_per_s_sustained"] is None
+                                          else round(s["tok_per_s_sustained"])),
                      "best step tok/s": round(max(steps)),
                      "outside steps s": round(s["wall_s"] - step_s, 2)})
     return rows
+
+
+def sustained_vs_peak_text(rows: list[dict]) -> str:
+    """What `sustained_and_peak`'s two rows say, as ratios; a reading that the runs were
+    too short to give is named instead of divided."""
+    sustained, peak = rows
+
+    def ratio(a, b):
+        ok = all(isinstance(v, (int, float)) and v > 0 for v in (a, b))
+        return f"{a / b:.2f}x" if ok else (a if isinstance(a, str) else b if isinstance(b, str)
+                                            else "no figure (a reading rounded to 0 tokens/s)")
+
+    return (f"sustained, end to end: {sustained['end-to-end tok/s']:,} tokens/s; "
+            f"peak, best step: {peak['best step tok/s']:,} tokens/s; "
+            f"ratio {ratio(peak['best step tok/s'], sustained['end-to-end tok/s'])}\n"
+            f"of which batch size alone (steps only, peak vs sustained): "
+            f"{ratio(peak['steps-only tok/s'], sustained['steps-only tok/s'])}; "
+            f"best step vs median steps in the peak run: {ratio(peak['best step tok/s'], peak['steps-only tok/s'])}; "
+            f"validation and checkpoints in the sustained run: {sustained['outside steps s']:.1f} s outside steps")
 
 
 def cap_cost(result: dict) -> dict:

@@ -32,7 +32,7 @@ import torch
 from sonata import kernels
 from sonata.config import make_config
 from sonata.errors import TrainingDiverged
-from sonata.memory import LeakDetector, MemoryBudgetExceeded, fmt_mib, release_free_memory
+from sonata.memory import LeakDetector, MemoryBudgetExceeded, fmt_mib, release_free_memory, too_few_steps
 
 DEFAULT_STEPS = 24      # >= the leak detector's skip (2) + window (16) + a few
 DEFAULT_WARMUP = 3
@@ -58,6 +58,25 @@ class RunRecord:
     h2d_bytes_in_steps: int
     stopped: str | None              # guard trip or divergence message
     warnings: list = field(default_factory=list)   # sonata's warnings during the run
+    steps_for_rate: int = 0          # warm-up + one window: fewer give no tokens/s
+    steps_for_leak: int = 0          # fewer give the leak detector no verdict
+
+    def line(self, name: str) -> str:
+        """Memory growth, peak and tokens/s in one line; a figure this run was too
+        short for says so."""
+        growth = (f"{self.mem_slope_bytes_per_step / 2**20:+.2f} MiB per step"
+                  if self.steps_done >= self.steps_for_leak else
+                  f"growth per step: {too_few_steps(self.steps_for_leak)}")
+        rate = (f"{self.tok_per_s:,.0f} tokens/s (median window)" if self.tok_per_s is not None else
+                f"tokens/s: {too_few_steps(self.steps_for_rate)}")
+        return f"{name}: {growth}, peak {self.peak_mem_bytes / 2**20:,.0f} MiB, {rate}"
+
+    def projection(self, steps: int = 1000) -> str:
+        """What the measured growth per step adds over `steps` steps."""
+        if self.steps_done < self.steps_for_leak:
+            return f"growth over a {steps:,}-step run: {too_few_steps(self.steps_for_leak)}"
+        return (f"at this rate the leak adds {self.mem_slope_bytes_per_step * steps / 2**30:,.1f} GiB "
+                f"over a {steps:,}-step run")
 
 
 @dataclass
@@ -165,7 +184,7 @@ def run_once(overrides, steps: int, warmup: int, window: int, seed: int | None =
         mem_slope_bytes_per_step=leak.slope(), leak=leak.leaking(),
         nonfinite=int(tr.counters["nonfinite_steps"]),
         fallbacks=kernels.fallback_count(), h2d_bytes_in_steps=sum(r["h2d_bytes"] for r in hist),
-        stopped=stopped, warnings=notes)
+        stopped=stopped, warnings=notes, steps_for_rate=warmup + window, steps_for_leak=leak.needed)
     return rec, tr
 
 
@@ -185,6 +204,8 @@ def run_bench(overrides=(), steps: int = DEFAULT_STEPS, warmup: int = DEFAULT_WA
     reasons = []
     if cfg.debug.leak != "none":
         reasons.append(f"debug.leak={cfg.debug.leak}: a leak injected on purpose (a reproduction, not a speed)")
+    if first.steps_done < first.steps_for_leak:
+        reasons.append(f"memory leak: {too_few_steps(first.steps_for_leak)} ({first.steps_done} done)")
     leaky = [r for r in runs if r.leak]
     if leaky:
         worst = max(r.mem_slope_bytes_per_step for r in leaky)
@@ -212,8 +233,8 @@ def run_bench(overrides=(), steps: int = DEFAULT_STEPS, warmup: int = DEFAULT_WA
     if h2d:
         reasons.append(f"{h2d:,} bytes copied host-to-device inside steps (expected 0)")
     if first.tok_per_s is None:
-        reasons.append(f"too few steps to measure: {first.steps_done} done, {warmup} warm-up + "
-                       f"{window} per window needed")
+        reasons.append(f"tokens/s: {too_few_steps(warmup + window)} ({first.steps_done} done: "
+                       f"{warmup} warm-up + {window} per window)")
     wins = first.windows_tok_per_s
     cv = (statistics.pstdev(wins) / statistics.mean(wins)) if len(wins) > 1 else None
     summary_backend = kernels.resolve_backend(cfg.model.backend, torch.zeros(1, device=device))[0]
@@ -249,11 +270,14 @@ def correction_table(before: BenchRecord, after: BenchRecord, budget_bytes: int 
         return f"projected {mib(p)} after 1,000 steps"
 
     def stability(rec):
-        return (f"{rec.mem_slope_bytes_per_step / 2**20:+.2f} MiB/step, {rec.nonfinite} non-finite, "
-                f"{'leak' if rec.leak else 'flat'}")
+        first = rec.runs[0] if rec.runs else {}
+        need = first.get("steps_for_leak", 0)
+        judged = ("leak" if rec.leak else "flat") if first.get("steps_done", rec.steps) >= need else too_few_steps(need)
+        return f"{rec.mem_slope_bytes_per_step / 2**20:+.2f} MiB/step, {rec.nonfinite} non-finite, {judged}"
 
     rows = [
-        ("Throughput (median window)", lambda r: f"{r.tok_per_s:,.0f} tokens/s" if r.tok_per_s else "-"),
+        ("Throughput (median window)", lambda r: f"{r.tok_per_s:,.0f} tokens/s" if r.tok_per_s
+                                        else too_few_steps(r.warmup + r.window)),
         ("Peak memory", lambda r: mib(r.peak_mem_bytes)),
         ("Stability", stability),
         ("Reproducibility", lambda r: "identical losses in 2 runs" if r.reproducible else "losses differ"),
@@ -282,10 +306,53 @@ def conclusion(before: BenchRecord, after: BenchRecord) -> str:
     else:
         speed = "One of the runs has no throughput figure. "
     why = "; ".join(before.reasons) if before.reasons else "no check failed"
-    return (speed + f"the harness rejects the leaky run ({why}) and accepts the fixed one "
+    verb = "accepts" if after.verdict == "VALID" else "rejects"
+    return (speed + f"the harness rejects the leaky run ({why}) and {verb} the fixed one "
             f"({after.verdict}: flat memory at {after.mem_slope_bytes_per_step / 2**20:+.2f} MiB/step, "
-            f"{after.nonfinite} non-finite steps, reproducible: {after.reproducible}). The figure to "
-            f"quote is the fixed run's {after.tok_per_s:,.0f} tokens/s, with its record.")
+            f"{after.nonfinite} non-finite steps, reproducible: {after.reproducible}). " + (
+                f"The figure to quote is the fixed run's {after.tok_per_s:,.0f} tokens/s, with its record."
+                if after.verdict == "VALID" else
+                "No figure of these runs is quotable: " + "; ".join(after.reasons) + "."))
+
+
+def timing_readings(rec: BenchRecord, sp: dict) -> list[dict]:
+    """Notebook 04's table of one run read five ways (`sp`: `sync_pitfall`'s result)."""
+    def tps(v):
+        return round(v) if v is not None else too_few_steps(rec.warmup + rec.window)
+    return [
+        {"reading": "median window, warm-up excluded (the harness)", "tokens/s": tps(rec.tok_per_s)},
+        {"reading": "all steps, warm-up included", "tokens/s": tps(rec.tok_per_s_with_warmup)},
+        {"reading": "best window (peak)", "tokens/s": tps(rec.tok_per_s_best_window)},
+        {"reading": f"one micro-step, no synchronize ({sp['device']})", "tokens/s": round(sp["without_sync_tok_per_s"])},
+        {"reading": f"one micro-step, synchronized ({sp['device']})", "tokens/s": round(sp["with_sync_tok_per_s"])},
+    ]
+
+
+def timing_text(rec: BenchRecord, sp: dict) -> str:
+    """What the readings say, as ratios; a ratio the run was too short for says so."""
+    few = too_few_steps(rec.warmup + rec.window)
+    lines = []
+    if rec.tok_per_s:
+        spread = (f"{rec.tok_per_s_cv:.1%}" if rec.tok_per_s_cv is not None
+                  else too_few_steps(rec.warmup + 2 * rec.window) + " (two windows)")
+        lines.append(f"peak window / median window: {rec.tok_per_s_best_window / rec.tok_per_s:.2f}x; "
+                     f"window spread (stdev/mean): {spread}")
+        w = rec.tok_per_s_with_warmup / rec.tok_per_s
+        lines.append(f"warm-up included / excluded: {w:.2f}x: " + (
+            "the first steps were slower, one-time costs" if w < 0.97 else
+            "no measurable warm-up cost here (the fused kernels load from numba's on-disk cache); "
+            "the difference is the spread between steps"))
+    else:
+        lines.append(f"peak window / median window and warm-up included / excluded: {few}")
+    ratio = sp["without_sync_tok_per_s"] / sp["with_sync_tok_per_s"]
+    if sp["device"].startswith("cuda"):
+        lines.append(f"no synchronize / synchronized: {ratio:.2f}x "
+                     f"(the unsynchronized clock measured kernel launches)")
+    else:
+        lines.append(f"no synchronize / synchronized on {sp['device']}: {ratio:.2f}x: a CPU finishes each "
+                     f"operation before Python continues, so any difference here is timing noise; this "
+                     f"pitfall shows on a GPU")
+    return "\n".join(lines)
 
 
 def sync_pitfall(overrides=(), repeat: int = 10) -> dict:

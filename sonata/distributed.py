@@ -43,6 +43,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from sonata.memory import too_few_steps
+
 DIST_TIMEOUT_S = 60.0          # collectives (and so a dead or stuck peer) time out after this
 WAIT_TIMEOUT_S = 6 * 3600.0    # the autotuner's wait for rank 0's choice
 
@@ -395,12 +397,27 @@ def measure_scaling(overrides, nprocs=(1, 2), steps: int = 20, timeout: float = 
             metrics = [json.loads(ln) for ln in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
         from sonata.trainer import MEASURE_SKIP
         step_s = sorted(m["step_s"] for m in metrics[MEASURE_SKIP:]) or sorted(m["step_s"] for m in metrics)
-        tps = s["tok_per_s_sustained"] or 0.0
-        rows.append({"processes": n, "tok/s global": round(tps),
-                     "tok/s per process": round(tps / n),
+        tps = s["tok_per_s_sustained"]
+        few = too_few_steps(MEASURE_SKIP + 1)
+        rows.append({"processes": n, "tok/s global": few if tps is None else round(tps),
+                     "tok/s per process": few if tps is None else round(tps / n),
                      "step time ms": round(1000 * step_s[len(step_s) // 2], 1),
                      "final loss": round(metrics[-1]["loss"], 4),
                      "threads per process": s.get("threads"),
                      "micro x accum": f"{s['micro_batch']} x {s['accumulation']}",
                      "global batch": s["effective_batch"]})
     return rows
+
+
+def scaling_text(rows: list[dict], threads: int) -> str:
+    """Each row's global tokens/s against the first row's (1 process), in words; a run
+    too short for a sustained figure says so instead of dividing."""
+    one, lines = rows[0], []
+    for r in rows[1:]:
+        a, b = r["tok/s global"], one["tok/s global"]
+        ratio = (f"{a / b:.2f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0
+                 else a if isinstance(a, str) else b)
+        lines.append(f"{r['processes']} processes x {r['threads per process']} thread(s): {ratio} the global "
+                     f"tokens/s of 1 process x {one['threads per process']} threads, on the same "
+                     f"{threads}-thread machine")
+    return "\n".join(lines) or "one process count measured: nothing to compare"
