@@ -34,19 +34,20 @@ def _num(x) -> str:
 
 
 class Range:
-    """An int (or float) in lo..hi, both included."""
+    """An int (or float) in lo..hi, both included; with `zero`, 0 too (a switch such as
+    "0: all")."""
 
-    def __init__(self, lo, hi, kind=int):
-        self.lo, self.hi, self.kind = lo, hi, kind
+    def __init__(self, lo, hi, kind=int, zero: bool = False):
+        self.lo, self.hi, self.kind, self.zero = lo, hi, kind, zero
 
     def describe(self) -> str:
-        return f"range {_num(self.lo)}..{_num(self.hi)}"
+        return ("0 or " if self.zero else "") + f"range {_num(self.lo)}..{_num(self.hi)}"
 
     def problem(self, v) -> str | None:
         types = (int, float) if self.kind is float else (int,)
         if isinstance(v, bool) or not isinstance(v, types):
             return f"is not {'a number' if self.kind is float else 'an integer'}"
-        if not self.lo <= v <= self.hi:
+        if not (self.lo <= v <= self.hi or (self.zero and v == 0)):
             return "is out of range"
         return None
 
@@ -112,7 +113,7 @@ class CommaInts(ListOf):
 SEED = Range(0, 2**31 - 1)
 THREADS = Range(0, 256)
 MODEL = {"d_model": Range(1, 2048), "n_layers": Range(1, 64), "d_state": Range(1, 256),
-         "seq_len": Range(1, 8192), "max_stories": Range(0, 10_000_000)}
+         "seq_len": Range(1, 8192), "max_stories": Range(2, 10_000_000, zero=True)}   # 0: all; 1 leaves no validation story
 
 RANGES = {
     "00_selective_scan_kernels": {

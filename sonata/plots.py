@@ -39,18 +39,19 @@ def loss_curve(history: list[dict], title: str = "training loss"):
 class LiveLossCurve:
     """The loss curve of a run in progress, for `Trainer.run(on_step=live)`.
 
-    In a Jupyter kernel (progress mode `display` or `widget`) the figure is one output,
-    shown below the progress line and redrawn in place at most every `every_s` seconds
-    as a PNG; `close(history)` draws the final curve into it. A notebook saved by
-    papermill or nbclient therefore keeps one static figure and no widget state.
-    Elsewhere nothing is shown while training; `close` returns the final figure."""
+    In a Jupyter kernel the figure is one display output, shown below the progress
+    line and redrawn in place (a PNG) at most every `every_s` seconds; `close(history)`
+    draws the final curve into it. A notebook saved by papermill or nbclient therefore
+    keeps one static figure and no widget state. Outside Jupyter (`live=False`) nothing
+    is shown while training; `close` returns the final figure."""
 
-    def __init__(self, title: str = "training loss", every_s: float = 3.0, mode: str | None = None):
-        from sonata.progress import resolve_mode
+    def __init__(self, title: str = "training loss", every_s: float = 3.0, live: bool | None = None):
+        from sonata.progress import in_jupyter_kernel
         self.title, self.every_s = title, every_s
-        self.live = resolve_mode(mode) in ("display", "widget")
+        self.live = in_jupyter_kernel() if live is None else live
         self.fig, self.ax = plt.subplots(figsize=(7, 3.5))
-        plt.close(self.fig)        # shown through the display handle only, never again at cell end
+        if self.live:
+            plt.close(self.fig)    # shown through the display handle only, not again at the cell's end
         self.draws, self._last, self._handle = 0, float("-inf"), None
 
     def __call__(self, trainer, row: dict) -> None:
