@@ -233,21 +233,21 @@ def load_or_train(checkpoint, fallback_steps: int = 200, fallback_dir="runs/06_g
     """Model, vocabulary, config and one line saying where they came from: `checkpoint`
     when it exists; otherwise a small model trained now with the seed configuration for
     `fallback_steps` steps into `fallback_dir` (reused when a previous fallback left one)."""
-    path = project_path(checkpoint)
+    path, fallback = project_path(checkpoint), project_path(fallback_dir) / "checkpoint.pt"
+    shown = Path(fallback_dir) / "checkpoint.pt"         # paths as given, for the lines below
     if path.exists():
         model, vocab, cfg = load_model(path)
-        return model, vocab, cfg, f"loaded {path}"
-    fallback = project_path(fallback_dir) / "checkpoint.pt"
+        return model, vocab, cfg, f"loaded {checkpoint}"
     if fallback.exists():
         model, vocab, cfg = load_model(fallback)
-        return model, vocab, cfg, f"{path} is missing; loaded the small model trained earlier in {fallback}"
-    print(f"{path} is missing (notebook 01 and `make train` write it): training a small model "
-          f"for {fallback_steps} steps into {fallback.parent} first")
+        return model, vocab, cfg, f"{checkpoint} is missing; loaded the small model trained earlier in {shown}"
+    print(f"{checkpoint} is missing (notebook 01 and `make train` write it): training a small model "
+          f"for {fallback_steps} steps into {fallback_dir} first")
     trainer = Trainer(make_config([f"train.max_steps={fallback_steps}", "train.eval_every=0"]), fallback.parent)
     s = trainer.run()
     model, vocab, cfg = load_model(fallback)
-    return model, vocab, cfg, (f"{path} is missing; trained a small model instead: {s['steps']} steps, "
-                               f"validation {s['val_bpb']:.2f} bits per byte, saved to {fallback}")
+    return model, vocab, cfg, (f"{checkpoint} is missing; trained a small model instead: {s['steps']} steps, "
+                               f"validation {s['val_bpb']:.2f} bits per byte, saved to {shown}")
 
 
 def generation_panel(model, vocab, prompt: str = "Once upon a time", max_new_tokens: int = 120,

@@ -45,6 +45,11 @@ TRAIN_01 = dict(d_model=32, n_layers=1, d_state=4, vocab_size=300, seq_len=64, m
 def lab(tmp_path_factory):
     root = tmp_path_factory.mktemp("lab")
     env = {k: v for k, v in os.environ.items() if k != "SONATA_PROGRESS"}   # the kernel decides: live display
+    # JupyterLab settings of this test only: every cell attached to the page (no windowing)
+    settings = root / "lab-settings" / "@jupyterlab" / "notebook-extension"
+    settings.mkdir(parents=True)
+    (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+    env["JUPYTERLAB_SETTINGS_DIR"] = str(root / "lab-settings")
     # a small checkpoint for notebook 06
     subprocess.run([sys.executable, "-m", "sonata", "train", "--out", str(root / "small"), "--progress", "none",
                     "model.d_model=32", "model.n_layers=1", "model.d_state=4", "data.seq_len=32",
@@ -70,15 +75,18 @@ def lab(tmp_path_factory):
                 urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=5)
                 break
             except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "JupyterLab did not start"
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError("JupyterLab did not start: " + "".join(proc.stdout.readlines()[-5:])
+                                         if proc.poll() is not None else "JupyterLab did not answer in 120 s")
                 time.sleep(0.5)
         yield base, token, root
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -99,12 +107,17 @@ def _css(driver, selector):
     return driver.find_elements(By.CSS_SELECTOR, selector)
 
 
-def _open_and_run_all(driver, base, token, name, timeout=240, while_running=None):
+def _open_and_run_all(driver, base, token, root, name, timeout=240, while_running=None):
     driver.get(f"{base}/lab/tree/{name}?token={token}")
     wait = WebDriverWait(driver, 90, poll_frequency=0.25)
-    wait.until(lambda d: _css(d, '.jp-Notebook-ExecutionIndicator[data-status="idle"]'))
-    n_code = len(_css(driver, ".jp-Notebook .jp-CodeCell"))
-    assert n_code > 3
+    n_code = sum(c["cell_type"] == "code" for c in json.loads((root / name).read_text())["cells"])
+    try:
+        wait.until(lambda d: _css(d, '.jp-Notebook-ExecutionIndicator[data-status="idle"]')
+                   and len(_css(d, ".jp-Notebook .jp-CodeCell")) == n_code)
+    except TimeoutException:
+        driver.save_screenshot(str(SHOTS / f"{name}.open-timeout.png"))
+        raise AssertionError(f"{name}: the notebook did not open with an idle kernel and its {n_code} code "
+                             f"cells within 90 s") from None
     menu = next(e for e in _css(driver, ".lm-MenuBar-item") if e.text.strip() == "Run")
     menu.click()
     wait.until(lambda d: _css(d, '.lm-Menu-item[data-command="notebook:run-all-cells"]'))[0].click()
@@ -129,8 +142,8 @@ def _errors(driver):
 
 
 def test_notebook_06_panel_generates_a_story(lab, browser):
-    base, token, _ = lab
-    _open_and_run_all(browser, base, token, "06_generate.ipynb")
+    base, token, root = lab
+    _open_and_run_all(browser, base, token, root, "06_generate.ipynb")
     assert not _errors(browser)
     wait = WebDriverWait(browser, 60, poll_frequency=0.2)
     box = wait.until(lambda d: _css(d, ".widget-textarea textarea"))[0]
@@ -161,7 +174,7 @@ def test_notebook_01_trains_live_without_errors(lab, browser):
                 if len(seen) == 2:
                     d.save_screenshot(str(SHOTS / "01_train_live.png"))
 
-    _open_and_run_all(browser, base, token, "01_train_tinystories.ipynb", while_running=watch)
+    _open_and_run_all(browser, base, token, root, "01_train_tinystories.ipynb", while_running=watch)
     browser.execute_script("document.querySelector('.jp-WindowedPanel-outer').scrollTop = 0")
     train_cell = next(c for c in _css(browser, ".jp-Notebook .jp-CodeCell") if "LiveLossCurve" in c.text)
     browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", train_cell)
