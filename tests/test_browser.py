@@ -31,7 +31,7 @@ if not (CHROMIUM and DRIVER):
                 ".ci/run installs them)", allow_module_level=True)
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (the test extra has it)")
 papermill = pytest.importorskip("papermill")
-from selenium.common.exceptions import TimeoutException  # noqa: E402
+from selenium.common.exceptions import StaleElementReferenceException, TimeoutException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
@@ -49,6 +49,9 @@ def lab(tmp_path_factory):
     settings = root / "lab-settings" / "@jupyterlab" / "notebook-extension"
     settings.mkdir(parents=True)
     (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+    (settings.parent / "apputils-extension").mkdir()
+    (settings.parent / "apputils-extension" / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false"}))
     env["JUPYTERLAB_SETTINGS_DIR"] = str(root / "lab-settings")
     # a small checkpoint for notebook 06
     subprocess.run([sys.executable, "-m", "sonata", "train", "--out", str(root / "small"), "--progress", "none",
@@ -62,6 +65,12 @@ def lab(tmp_path_factory):
                                str(root / "01_train_tinystories.ipynb"),
                                parameters=dict(TRAIN_01, out_dir=str(root / "run01")),
                                prepare_only=True, progress_bar=False)
+    for name in ("06_generate.ipynb", "01_train_tinystories.ipynb"):     # the page starts without outputs
+        nb = json.loads((root / name).read_text())
+        for c in nb["cells"]:
+            if c["cell_type"] == "code":
+                c["outputs"], c["execution_count"] = [], None
+        (root / name).write_text(json.dumps(nb, indent=1))
     proc = subprocess.Popen([str(REPO / ".ci/lab"), sys.executable, str(root)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -104,12 +113,14 @@ def browser():
 
 
 def _css(driver, selector):
-    return driver.find_elements(By.CSS_SELECTOR, selector)
+    """Elements of the notebook shown now (other notebooks stay in the page, hidden)."""
+    panels = [p for p in driver.find_elements(By.CSS_SELECTOR, ".jp-NotebookPanel") if p.is_displayed()]
+    return [e for p in panels for e in p.find_elements(By.CSS_SELECTOR, selector)]
 
 
 def _open_and_run_all(driver, base, token, root, name, timeout=240, while_running=None):
     driver.get(f"{base}/lab/tree/{name}?token={token}")
-    wait = WebDriverWait(driver, 90, poll_frequency=0.25)
+    wait = WebDriverWait(driver, 90, poll_frequency=0.25, ignored_exceptions=(StaleElementReferenceException,))
     n_code = sum(c["cell_type"] == "code" for c in json.loads((root / name).read_text())["cells"])
     try:
         wait.until(lambda d: _css(d, '.jp-Notebook-ExecutionIndicator[data-status="idle"]')
@@ -118,9 +129,9 @@ def _open_and_run_all(driver, base, token, root, name, timeout=240, while_runnin
         driver.save_screenshot(str(SHOTS / f"{name}.open-timeout.png"))
         raise AssertionError(f"{name}: the notebook did not open with an idle kernel and its {n_code} code "
                              f"cells within 90 s") from None
-    menu = next(e for e in _css(driver, ".lm-MenuBar-item") if e.text.strip() == "Run")
+    menu = next(e for e in driver.find_elements(By.CSS_SELECTOR, ".lm-MenuBar-item") if e.text.strip() == "Run")
     menu.click()
-    wait.until(lambda d: _css(d, '.lm-Menu-item[data-command="notebook:run-all-cells"]'))[0].click()
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, '.lm-Menu-item[data-command="runmenu:run-all"]'))[0].click()
 
     def done(d):
         if while_running:
@@ -129,7 +140,8 @@ def _open_and_run_all(driver, base, token, root, name, timeout=240, while_runnin
         return len(prompts) == n_code and all(re.fullmatch(r"\[\d+\]:", p) for p in prompts) and \
             _css(d, '.jp-Notebook-ExecutionIndicator[data-status="idle"]')
     try:
-        WebDriverWait(driver, timeout, poll_frequency=0.3).until(done)
+        WebDriverWait(driver, timeout, poll_frequency=0.3,
+                      ignored_exceptions=(StaleElementReferenceException,)).until(done)
     except TimeoutException:
         driver.save_screenshot(str(SHOTS / f"{name}.timeout.png"))
         raise AssertionError(f"{name}: not every cell ran within {timeout} s; errors on the page: "
@@ -141,11 +153,20 @@ def _errors(driver):
             if "Traceback" in e.text or "Error" in e.text or "error:" in e.text]
 
 
-def test_notebook_06_panel_generates_a_story(lab, browser):
+@pytest.fixture
+def shot_on_failure(browser, request):
+    """A screenshot of the page when the test fails, beside the others."""
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed > failed:
+        browser.save_screenshot(str(SHOTS / f"{request.node.name}.failed.png"))
+
+
+def test_notebook_06_panel_generates_a_story(lab, browser, shot_on_failure):
     base, token, root = lab
     _open_and_run_all(browser, base, token, root, "06_generate.ipynb")
     assert not _errors(browser)
-    wait = WebDriverWait(browser, 60, poll_frequency=0.2)
+    wait = WebDriverWait(browser, 60, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
     box = wait.until(lambda d: _css(d, ".widget-textarea textarea"))[0]
     box.click()
     box.send_keys(Keys.CONTROL, "a")
@@ -162,7 +183,7 @@ def test_notebook_06_panel_generates_a_story(lab, browser):
     assert re.fullmatch(r"done: \d+ pieces, seed 0", _css(browser, ".sonata-status")[0].text)
 
 
-def test_notebook_01_trains_live_without_errors(lab, browser):
+def test_notebook_01_trains_live_without_errors(lab, browser, shot_on_failure):
     base, token, root = lab
     seen = set()
 
@@ -171,11 +192,13 @@ def test_notebook_01_trains_live_without_errors(lab, browser):
             src = img.get_attribute("src") or ""
             if src and src not in seen:
                 seen.add(src)
-                if len(seen) == 2:
+                if len(seen) == 2:          # redrawn once: show it mid-run
+                    cell = next((c for c in _css(d, ".jp-Notebook .jp-CodeCell") if "LiveLossCurve" in c.text), None)
+                    if cell is not None:
+                        d.execute_script("arguments[0].scrollIntoView({block: 'start'});", cell)
                     d.save_screenshot(str(SHOTS / "01_train_live.png"))
 
     _open_and_run_all(browser, base, token, root, "01_train_tinystories.ipynb", while_running=watch)
-    browser.execute_script("document.querySelector('.jp-WindowedPanel-outer').scrollTop = 0")
     train_cell = next(c for c in _css(browser, ".jp-Notebook .jp-CodeCell") if "LiveLossCurve" in c.text)
     browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", train_cell)
     time.sleep(0.5)
