@@ -13,6 +13,8 @@ ranges live here, once: each notebook's parameters cell repeats them in its comm
 """
 from __future__ import annotations
 
+import html
+import sys
 from pathlib import Path
 
 from sonata.config import make_config
@@ -200,7 +202,6 @@ def interactive_frontend() -> bool:
     """True in a kernel driven by a person's frontend (JupyterLab, Notebook: they can
     answer `input()`), False under papermill, nbval or nbclient (they send every cell
     with `allow_stdin` off) and outside Jupyter."""
-    import sys
     ip = sys.modules.get("IPython")
     shell = ip.get_ipython() if ip is not None else None
     kernel = getattr(shell, "kernel", None)
@@ -254,9 +255,7 @@ def generation_panel(model, vocab, prompt: str = "Once upon a time", max_new_tok
                      temperature: float = 0.8, top_k: int = 40, seed: int = 0):
     """An ipywidgets panel: prompt box, temperature, top-k, number of tokens and seed,
     a Generate button, and the story appearing token by token below them."""
-    import html
-
-    import ipywidgets as w
+    import ipywidgets as w          # the notebooks extra; only this panel needs it
 
     box = w.Textarea(value=prompt, description="prompt", layout=w.Layout(width="95%"))
     temp = w.FloatSlider(value=temperature, min=0.0, max=2.0, step=0.05, description="temperature")

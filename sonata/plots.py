@@ -10,6 +10,8 @@ if matplotlib.get_backend().lower() == "agg" or not matplotlib.get_backend():
     matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from sonata.progress import in_jupyter_kernel  # noqa: E402
+
 
 def _draw_loss(ax, history: list[dict], title: str) -> None:
     steps = [r["step"] for r in history]
@@ -46,7 +48,6 @@ class LiveLossCurve:
     is shown while training; `close` returns the final figure."""
 
     def __init__(self, title: str = "training loss", every_s: float = 3.0, live: bool | None = None):
-        from sonata.progress import in_jupyter_kernel
         self.title, self.every_s = title, every_s
         self.live = in_jupyter_kernel() if live is None else live
         self.fig, self.ax = plt.subplots(figsize=(7, 3.5))

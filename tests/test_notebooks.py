@@ -314,3 +314,22 @@ def test_live_loss_curve_redraws_at_most_every_interval_and_ends_with_the_valida
     train, smooth, val = fig.axes[0].get_lines()
     assert list(train.get_xdata()) == [1, 2, 3, 4, 5, 6] and list(val.get_ydata()) == [4.5, 4.2]
     assert LiveLossCurve(live=False).live is False
+
+
+def test_generation_panel_streams_the_story_of_its_settings():
+    import html as html_mod
+
+    from conftest import tiny_overrides
+    from sonata.config import make_config
+    from sonata.generate import stream_text
+    from sonata.notebook import generation_panel, interactive_frontend
+    from sonata.trainer import Trainer
+
+    tr = Trainer(make_config(tiny_overrides()), None, progress="none")
+    panel = generation_panel(tr.model, tr.corpus.vocab, "Once upon", max_new_tokens=15, temperature=0.0, top_k=0)
+    panel.generate()
+    expected = "".join(stream_text(tr.model, tr.corpus.vocab, "Once upon", 15, 0.0, 0, 0))
+    assert panel.story.value == (f"<div style='white-space: pre-wrap'><b>Once upon</b>"
+                                 f"{html_mod.escape(expected)}</div>")
+    assert panel.status.value.startswith("done: ") and panel.status.value.endswith(", seed 0")
+    assert interactive_frontend() is False        # no person's frontend under pytest
