@@ -17,7 +17,9 @@ import html
 import sys
 from pathlib import Path
 
-from sonata.config import make_config
+import torch
+
+from sonata.config import PRESETS, make_config
 from sonata.errors import SonataError
 from sonata.generate import load_model, stream_text
 from sonata.memory import too_few_steps
@@ -170,10 +172,22 @@ RULES = {
          "parameter micro_batch = {micro_batch} does not divide effective_batch = {effective_batch} "
          "(0, or a divisor of effective_batch)")],
     "02_autotuning": [
+        (("candidates", "effective_batch", "profile"),
+         lambda cs, eff, prof: any(eff % int(c) == 0 and int(c) <= _cap(prof) for c in cs.split(",")),
+         "parameter candidates = {candidates!r} has no micro-batch that divides effective_batch = "
+         "{effective_batch} within the cap of profile {profile!r} (1 always does)"),
         (("scaling_processes", "effective_batch"), lambda ps, eff: all(eff % p == 0 for p in ps),
          "parameter scaling_processes = {scaling_processes!r} has a process count that does not divide "
          "effective_batch = {effective_batch} (each process trains effective_batch / processes sequences)")],
 }
+
+
+def _cap(profile: str) -> int:
+    """The largest micro-batch the autotuner may choose under `profile` (auto: the cpu
+    preset's without a GPU, the smallest GPU preset's with one)."""
+    if profile == "auto":
+        profile = "laptop-8gb" if torch.cuda.is_available() else "cpu"
+    return PRESETS[profile]["max_micro_batch"]
 
 
 def problem(name: str, value, spec) -> str | None:

@@ -229,6 +229,11 @@ def test_check_lists_and_comma_lists():
     with pytest.raises(ParameterError, match=r"^parameter scaling_processes = \[1, 3\] has a process count that "
                                              r"does not divide effective_batch = 16"):
         check("02_autotuning", dict(scaling_processes=[1, 3], effective_batch=16))
+    with pytest.raises(ParameterError) as e:
+        check("02_autotuning", dict(candidates="3,64", effective_batch=16, profile="cpu"))
+    assert str(e.value) == ("parameter candidates = '3,64' has no micro-batch that divides effective_batch = 16 "
+                            "within the cap of profile 'cpu' (1 always does)")
+    check("02_autotuning", dict(candidates="3,8", effective_batch=16, profile="laptop-8gb"))
     for name, ranges in RANGES.items():      # the smallest and the defaults pass
         check(name, {k: _smallest(s) for k, s in ranges.items() if _smallest(s) is not None})
 
