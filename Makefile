@@ -14,7 +14,7 @@ export TIKTOKEN_CACHE_DIR ?= $(CURDIR)/.cache/tiktoken
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: setup train test test-fast bench lint clean kernel
+.PHONY: setup train test test-fast bench lint clean kernel lab
 
 setup: $(STAMP)
 
@@ -34,6 +34,11 @@ train: $(STAMP)
 	$(BIN)/papermill notebooks/01_train_tinystories.ipynb $(RUN)/01_train_tinystories.ipynb \
 		-k python3 -p out_dir $(RUN) $(NB_ARGS)
 	@echo "executed notebook: $(RUN)/01_train_tinystories.ipynb"
+
+# JupyterLab from .venv with the project's kernel, on 127.0.0.1 with a free port and a
+# fresh token (LAB_PORT=... to choose the port); prints the URL to open.
+lab: $(STAMP)
+	@.ci/lab $(BIN)/python $(CURDIR)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -207,6 +207,7 @@ def choose_plan(trainer, progress=None) -> tuple[Plan, dict]:
     return plan.with_batch(res["micro_batch"], how), res
 
 
+
 def cap_cost(result: dict) -> dict:
     """What the profile's cap costs: the chosen candidate against the fastest measured
     one that fits the budget, cap ignored."""

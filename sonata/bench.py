@@ -46,7 +46,7 @@ from sonata import kernels
 from sonata.config import make_config
 from sonata.device import sync
 from sonata.errors import TrainingDiverged
-from sonata.memory import LeakDetector, MemoryBudgetExceeded, fmt_mib, release_free_memory
+from sonata.memory import LeakDetector, MemoryBudgetExceeded, fmt_mib, release_free_memory, too_few_steps
 from sonata.trainer import MEASURE_SKIP, Trainer
 
 DEFAULT_STEPS = 24      # >= the leak detector's skip (2) + window (16) + a few
@@ -74,6 +74,25 @@ class RunRecord:
     stopped: str | None              # guard trip or divergence: its first reason
     guard_tripped: bool = False
     warnings: list = field(default_factory=list)   # sonata's warnings during the run
+    steps_for_rate: int = 0          # warm-up + one window: fewer give no tokens/s
+    steps_for_leak: int = 0          # fewer give the leak detector no verdict
+
+    def line(self, name: str) -> str:
+        """Memory growth, peak and tokens/s in one line; a figure this run was too
+        short for says so."""
+        growth = (f"{self.mem_slope_bytes_per_step / 2**20:+.2f} MiB per step"
+                  if self.steps_done >= self.steps_for_leak else
+                  f"growth per step: {too_few_steps(self.steps_for_leak)}")
+        rate = (f"{self.tok_per_s:,.0f} tokens/s (median window)" if self.tok_per_s is not None else
+                f"tokens/s: {too_few_steps(self.steps_for_rate)}")
+        return f"{name}: {growth}, peak {self.peak_mem_bytes / 2**20:,.0f} MiB, {rate}"
+
+    def projection(self, steps: int = 1000) -> str:
+        """What the measured growth per step adds over `steps` steps."""
+        if self.steps_done < self.steps_for_leak:
+            return f"growth over a {steps:,}-step run: {too_few_steps(self.steps_for_leak)}"
+        return (f"at this rate the leak adds {self.mem_slope_bytes_per_step * steps / 2**30:,.1f} GiB "
+                f"over a {steps:,}-step run")
 
 
 @dataclass
@@ -179,7 +198,8 @@ def run_once(overrides, steps: int, warmup: int, window: int, seed: int | None =
         mem_slope_bytes_per_step=leak.slope(), leak=leak.leaking(),
         nonfinite=int(tr.counters["nonfinite_steps"]),
         fallbacks=kernels.fallback_count(), h2d_bytes_in_steps=sum(r["h2d_bytes"] for r in hist),
-        stopped=stopped, guard_tripped=tripped, warnings=notes)
+        stopped=stopped, guard_tripped=tripped, warnings=notes, steps_for_rate=warmup + window,
+        steps_for_leak=leak.needed)
     return rec, tr
 
 
@@ -199,6 +219,8 @@ def run_bench(overrides=(), steps: int = DEFAULT_STEPS, warmup: int = DEFAULT_WA
     reasons = []
     if cfg.debug.leak != "none":
         reasons.append(f"debug.leak={cfg.debug.leak}: a leak injected on purpose (a reproduction, not a speed)")
+    if first.steps_done < first.steps_for_leak:
+        reasons.append(f"memory leak: {too_few_steps(first.steps_for_leak)} ({first.steps_done} done)")
     leaky = [r for r in runs if r.leak]
     if leaky:
         worst = max(r.mem_slope_bytes_per_step for r in leaky)
@@ -226,8 +248,8 @@ def run_bench(overrides=(), steps: int = DEFAULT_STEPS, warmup: int = DEFAULT_WA
     if h2d:
         reasons.append(f"{h2d:,} bytes copied host-to-device inside steps (expected 0)")
     if first.tok_per_s is None:
-        reasons.append(f"too few steps to measure: {first.steps_done} done, {warmup} warm-up + "
-                       f"{window} per window needed")
+        reasons.append(f"tokens/s: {too_few_steps(warmup + window)} ({first.steps_done} done: "
+                       f"{warmup} warm-up + {window} per window)")
     wins = first.windows_tok_per_s
     cv = (statistics.pstdev(wins) / statistics.mean(wins)) if len(wins) > 1 else None
     summary_backend = kernels.resolve_backend(cfg.model.backend, torch.zeros(1, device=device))[0]
@@ -263,11 +285,14 @@ def correction_table(before: BenchRecord, after: BenchRecord, budget_bytes: int 
         return f"projected {mib(p)} after 1,000 steps"
 
     def stability(rec):
-        return (f"{rec.mem_slope_bytes_per_step / 2**20:+.2f} MiB/step, {rec.nonfinite} non-finite, "
-                f"{'leak' if rec.leak else 'flat'}")
+        first = rec.runs[0] if rec.runs else {}
+        need = first.get("steps_for_leak", 0)
+        judged = ("leak" if rec.leak else "flat") if first.get("steps_done", rec.steps) >= need else too_few_steps(need)
+        return f"{rec.mem_slope_bytes_per_step / 2**20:+.2f} MiB/step, {rec.nonfinite} non-finite, {judged}"
 
     rows = [
-        ("Throughput (median window)", lambda r: f"{r.tok_per_s:,.0f} tokens/s" if r.tok_per_s else "-"),
+        ("Throughput (median window)", lambda r: f"{r.tok_per_s:,.0f} tokens/s" if r.tok_per_s
+                                        else too_few_steps(r.warmup + r.window)),
         ("Peak memory", lambda r: mib(r.peak_mem_bytes)),
         ("Stability", stability),
         ("Reproducibility", lambda r: "identical losses in 2 runs" if r.reproducible else "losses differ"),
@@ -275,6 +300,74 @@ def correction_table(before: BenchRecord, after: BenchRecord, budget_bytes: int 
         ("Verdict", lambda r: r.verdict + (f" ({len(r.reasons)} reasons)" if r.reasons else "")),
     ]
     return [{"": name, "before (leaky)": f(before), "after (fixed)": f(after)} for name, f in rows]
+
+
+def conclusion(before: BenchRecord, after: BenchRecord) -> str:
+    """What the two records say, in words, from their numbers."""
+    if before.tok_per_s and after.tok_per_s:
+        ratio = before.tok_per_s / after.tok_per_s
+        speed = (f"Here the leaky run measured {before.tok_per_s:,.0f} tokens/s against "
+                 f"{after.tok_per_s:,.0f} for the fixed one ({ratio:.2f}x). ")
+        if ratio > 1.02:
+            speed += ("It looks faster, as it did in the dossier, but the figure is INVALID: ")
+        else:
+            speed += ("On this hardware the leak does not even look faster: each kept graph is "
+                      "memory the allocator must find anew every step, and there is no slower memory "
+                      "tier for it to spill into. The dossier's leaky figure (7,676 against 5,659 "
+                      "tokens/s) came from such a spill: the leaked activations pushed its 8 GB GPU "
+                      "past its memory into shared system memory, and the overflow traffic, running in "
+                      "parallel with the kernels, masked latency in the measurement while the run was "
+                      "heading for failure. Either way ")
+    else:
+        speed = "One of the runs has no throughput figure. "
+    why = "; ".join(before.reasons) if before.reasons else "no check failed"
+    verb = "accepts" if after.verdict == "VALID" else "rejects"
+    return (speed + f"the harness rejects the leaky run ({why}) and {verb} the fixed one "
+            f"({after.verdict}: flat memory at {after.mem_slope_bytes_per_step / 2**20:+.2f} MiB/step, "
+            f"{after.nonfinite} non-finite steps, reproducible: {after.reproducible}). " + (
+                f"The figure to quote is the fixed run's {after.tok_per_s:,.0f} tokens/s, with its record."
+                if after.verdict == "VALID" else
+                "No figure of these runs is quotable: " + "; ".join(after.reasons) + "."))
+
+
+def timing_readings(rec: BenchRecord, sp: dict) -> list[dict]:
+    """Notebook 04's table of one run read five ways (`sp`: `sync_pitfall`'s result)."""
+    def tps(v):
+        return round(v) if v is not None else too_few_steps(rec.warmup + rec.window)
+    return [
+        {"reading": "median window, warm-up excluded (the harness)", "tokens/s": tps(rec.tok_per_s)},
+        {"reading": "all steps, warm-up included", "tokens/s": tps(rec.tok_per_s_with_warmup)},
+        {"reading": "best window (peak)", "tokens/s": tps(rec.tok_per_s_best_window)},
+        {"reading": f"one micro-step, no synchronize ({sp['device']})", "tokens/s": round(sp["without_sync_tok_per_s"])},
+        {"reading": f"one micro-step, synchronized ({sp['device']})", "tokens/s": round(sp["with_sync_tok_per_s"])},
+    ]
+
+
+def timing_text(rec: BenchRecord, sp: dict) -> str:
+    """What the readings say, as ratios; a ratio the run was too short for says so."""
+    few = too_few_steps(rec.warmup + rec.window)
+    lines = []
+    if rec.tok_per_s:
+        spread = (f"{rec.tok_per_s_cv:.1%}" if rec.tok_per_s_cv is not None
+                  else too_few_steps(rec.warmup + 2 * rec.window) + " (two windows)")
+        lines.append(f"peak window / median window: {rec.tok_per_s_best_window / rec.tok_per_s:.2f}x; "
+                     f"window spread (stdev/mean): {spread}")
+        w = rec.tok_per_s_with_warmup / rec.tok_per_s
+        lines.append(f"warm-up included / excluded: {w:.2f}x: " + (
+            "the first steps were slower, one-time costs" if w < 0.97 else
+            "no measurable warm-up cost here (the fused kernels load from numba's on-disk cache); "
+            "the difference is the spread between steps"))
+    else:
+        lines.append(f"peak window / median window and warm-up included / excluded: {few}")
+    ratio = sp["without_sync_tok_per_s"] / sp["with_sync_tok_per_s"]
+    if sp["device"].startswith("cuda"):
+        lines.append(f"no synchronize / synchronized: {ratio:.2f}x "
+                     f"(the unsynchronized clock measured kernel launches)")
+    else:
+        lines.append(f"no synchronize / synchronized on {sp['device']}: {ratio:.2f}x: a CPU finishes each "
+                     f"operation before Python continues, so any difference here is timing noise; this "
+                     f"pitfall shows on a GPU")
+    return "\n".join(lines)
 
 
 def sync_pitfall(overrides=(), repeat: int = 10) -> dict:
@@ -315,7 +408,7 @@ def sync_pitfall(overrides=(), repeat: int = 10) -> dict:
 # ---------------------------------------------------------------- throughput studies
 def sustained_and_peak(overrides, sustained_steps: int, peak_micro: int, peak_steps: int,
                        progress: str | None = None) -> list[dict]:
-    """Two throughput figures of one configuration, measured side by side:
+    """The dossier's two figures, measured side by side on this machine:
 
     - *sustained*: a training run under the profile's default batch (micro-batch within
       the cap, accumulation up to the effective batch), `sustained_steps` steps with
@@ -343,10 +436,30 @@ def sustained_and_peak(overrides, sustained_steps: int, peak_micro: int, peak_st
                      "micro x accum": f"{s['micro_batch']} x {s['accumulation']}",
                      "steps": s["steps"], "tokens": s["tokens"],
                      "end-to-end tok/s": round(s["tokens"] / s["wall_s"]),
-                     "steps-only tok/s": round(s["tok_per_s_sustained"] or 0),
+                     "steps-only tok/s": (too_few_steps(MEASURE_SKIP + 1) if s["tok_per_s_sustained"] is None
+                                          else round(s["tok_per_s_sustained"])),
                      "best step tok/s": round(max(steps)),
                      "outside steps s": round(s["wall_s"] - step_s, 2)})
     return rows
+
+
+def sustained_vs_peak_text(rows: list[dict]) -> str:
+    """What `sustained_and_peak`'s two rows say, as ratios; a reading that the runs were
+    too short to give is named instead of divided."""
+    sustained, peak = rows
+
+    def ratio(a, b):
+        ok = all(isinstance(v, (int, float)) and v > 0 for v in (a, b))
+        return f"{a / b:.2f}x" if ok else (a if isinstance(a, str) else b if isinstance(b, str)
+                                            else "no figure (a reading rounded to 0 tokens/s)")
+
+    return (f"sustained, end to end: {sustained['end-to-end tok/s']:,} tokens/s; "
+            f"peak, best step: {peak['best step tok/s']:,} tokens/s; "
+            f"ratio {ratio(peak['best step tok/s'], sustained['end-to-end tok/s'])}\n"
+            f"of which batch size alone (steps only, peak vs sustained): "
+            f"{ratio(peak['steps-only tok/s'], sustained['steps-only tok/s'])}; "
+            f"best step vs median steps in the peak run: {ratio(peak['best step tok/s'], peak['steps-only tok/s'])}; "
+            f"validation and checkpoints in the sustained run: {sustained['outside steps s']:.1f} s outside steps")
 
 
 def measure_scaling(overrides, nprocs=(1, 2), steps: int = 20, timeout: float = 1800,
@@ -376,12 +489,27 @@ def measure_scaling(overrides, nprocs=(1, 2), steps: int = 20, timeout: float = 
             s = json.loads((Path(tmp) / "summary.json").read_text())
             metrics = [json.loads(ln) for ln in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
         step_s = sorted(m["step_s"] for m in metrics[MEASURE_SKIP:]) or sorted(m["step_s"] for m in metrics)
-        tps = s["tok_per_s_sustained"] or 0.0
-        rows.append({"processes": n, "tok/s global": round(tps),
-                     "tok/s per process": round(tps / n),
+        tps = s["tok_per_s_sustained"]
+        few = too_few_steps(MEASURE_SKIP + 1)
+        rows.append({"processes": n, "tok/s global": few if tps is None else round(tps),
+                     "tok/s per process": few if tps is None else round(tps / n),
                      "step time ms": round(1000 * step_s[len(step_s) // 2], 1),
                      "final loss": round(metrics[-1]["loss"], 4),
                      "threads per process": s.get("threads"),
                      "micro x accum": f"{s['micro_batch']} x {s['accumulation']}",
                      "global batch": s["effective_batch"]})
     return rows
+
+
+def scaling_text(rows: list[dict], threads: int) -> str:
+    """Each row's global tokens/s against the first row's (1 process), in words; a run
+    too short for a sustained figure says so instead of dividing."""
+    one, lines = rows[0], []
+    for r in rows[1:]:
+        a, b = r["tok/s global"], one["tok/s global"]
+        ratio = (f"{a / b:.2f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0
+                 else a if isinstance(a, str) else b)
+        lines.append(f"{r['processes']} processes x {r['threads per process']} thread(s): {ratio} the global "
+                     f"tokens/s of 1 process x {one['threads per process']} threads, on the same "
+                     f"{threads}-thread machine")
+    return "\n".join(lines) or "one process count measured: nothing to compare"

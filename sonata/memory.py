@@ -318,6 +318,11 @@ class StepWatch:
         return False
 
 
+def too_few_steps(need: int) -> str:
+    """What a table cell or a verdict says when a run is too short to judge something."""
+    return f"too few steps to judge: need at least {need}"
+
+
 def median_step_growth(ys) -> float:
     """Median of ys[i + 1] - ys[i]: the growth of a typical step. A leak moves it;
     a few jumps of the allocator do not."""
@@ -349,11 +354,22 @@ class LeakDetector:
         return median_step_growth(ys)
 
     @property
+    def needed(self) -> int:
+        """Steps needed before a verdict."""
+        return self.skip + min(self.window, self.min_samples)
+
+    @property
     def enough(self) -> bool:
-        return len(self.samples) - self.skip >= min(self.window, self.min_samples)
+        return len(self.samples) >= self.needed
 
     def leaking(self) -> bool:
         return self.enough and self.slope() > self.threshold
+
+    def verdict(self) -> str:
+        """`LEAK`, `flat`, or what a run too short to judge needs."""
+        if not self.enough:
+            return too_few_steps(self.needed)
+        return "LEAK" if self.leaking() else "flat"
 
     def report(self) -> dict:
         s = self.slope()

@@ -1,20 +1,23 @@
 """Matplotlib figures for the notebooks (the notebooks only call these)."""
 from __future__ import annotations
 
+import io
+import time
+
 import matplotlib
 
 if matplotlib.get_backend().lower() == "agg" or not matplotlib.get_backend():
     matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from sonata.progress import in_jupyter_kernel  # noqa: E402
 
-def loss_curve(history: list[dict], title: str = "training loss"):
-    """Per-step training loss (light), its moving average, and validation loss (dots)."""
+
+def _draw_loss(ax, history: list[dict], title: str) -> None:
     steps = [r["step"] for r in history]
     loss = [r["loss"] for r in history]
     k = max(1, len(loss) // 50)
     smooth = [sum(loss[max(0, i - k + 1): i + 1]) / len(loss[max(0, i - k + 1): i + 1]) for i in range(len(loss))]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot(steps, loss, color="tab:blue", alpha=0.25, lw=1, label="train loss (per step)")
     ax.plot(steps, smooth, color="tab:blue", lw=2, label=f"train loss ({k}-step mean)")
     val = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
@@ -25,8 +28,54 @@ def loss_curve(history: list[dict], title: str = "training loss"):
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
+
+
+def loss_curve(history: list[dict], title: str = "training loss"):
+    """Per-step training loss (light), its moving average, and validation loss (dots)."""
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    _draw_loss(ax, history, title)
     fig.tight_layout()
     return fig
+
+
+class LiveLossCurve:
+    """The loss curve of a run in progress, for `Trainer.run(on_step=live)`.
+
+    In a Jupyter kernel the figure is one display output, shown below the progress
+    line and redrawn in place (a PNG) at most every `every_s` seconds; `close(history)`
+    draws the final curve into it. A notebook saved by papermill or nbclient therefore
+    keeps one static figure and no widget state. Outside Jupyter (`live=False`) nothing
+    is shown while training; `close` returns the final figure."""
+
+    def __init__(self, title: str = "training loss", every_s: float = 3.0, live: bool | None = None):
+        self.title, self.every_s = title, every_s
+        self.live = in_jupyter_kernel() if live is None else live
+        self.fig, self.ax = plt.subplots(figsize=(7, 3.5))
+        if self.live:
+            plt.close(self.fig)    # shown through the display handle only, not again at the cell's end
+        self.draws, self._last, self._handle = 0, float("-inf"), None
+
+    def __call__(self, trainer, row: dict) -> None:
+        if self.live and time.perf_counter() - self._last >= self.every_s:
+            self.draw(trainer.history + [row])
+
+    def draw(self, history: list[dict]) -> None:
+        self.ax.clear()
+        _draw_loss(self.ax, history, self.title)
+        self.fig.tight_layout()
+        self.draws, self._last = self.draws + 1, time.perf_counter()
+        if self.live:
+            from IPython.display import Image, display
+            buf = io.BytesIO()
+            self.fig.savefig(buf, format="png", dpi=80)
+            if self._handle is None:
+                self._handle = display(Image(buf.getvalue()), display_id=True)
+            else:
+                self._handle.update(Image(buf.getvalue()))
+
+    def close(self, history: list[dict]):
+        self.draw(history)
+        return self.fig
 
 
 class Table:

@@ -19,7 +19,7 @@ import time
 MODES = ("auto", "display", "widget", "bar", "lines", "none")
 
 
-def _in_jupyter_kernel() -> bool:
+def in_jupyter_kernel() -> bool:
     ip = sys.modules.get("IPython")
     if ip is None:
         return False
@@ -33,7 +33,7 @@ def resolve_mode(mode: str | None = None) -> str:
         raise ValueError(f"progress mode must be one of {', '.join(MODES)}, not {mode!r}")
     if mode != "auto":
         return mode
-    if _in_jupyter_kernel():
+    if in_jupyter_kernel():
         return "display"
     return "bar" if sys.stderr.isatty() else "lines"
 

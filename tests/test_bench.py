@@ -39,10 +39,10 @@ def test_a_run_with_non_finite_losses_is_invalid():
 
 
 def test_different_seeds_are_flagged_not_reproducible_where_it_is_required():
-    rec = run_bench(tiny_overrides(), steps=10, seeds=(0, 1))
+    rec = run_bench(tiny_overrides(), steps=18, seeds=(0, 1))
     assert rec.reproducible is False and rec.verdict == "INVALID"
     assert any("not reproducible" in r and "seeds 0 and 1" in r for r in rec.reasons)
-    relaxed = run_bench(tiny_overrides(), steps=10, seeds=(0, 1), require_reproducible=False)
+    relaxed = run_bench(tiny_overrides(), steps=18, seeds=(0, 1), require_reproducible=False)
     assert relaxed.reproducible is False and relaxed.verdict == "VALID", relaxed.reasons
 
 

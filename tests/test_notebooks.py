@@ -1,9 +1,13 @@
-"""Every notebook runs under papermill with tiny parameters, and says what it produced."""
+"""Every notebook runs under papermill with tiny parameters, and says what it produced;
+at the smallest allowed values it still finishes, and a value outside its range stops
+it with one line naming the parameter, its value and the range."""
 import json
+import re
 
 import pytest
 
 from conftest import REPO
+from sonata.notebook import RANGES, CommaInts, ListOf, OneOf, ParameterError, Range, Text, check
 
 papermill = pytest.importorskip("papermill")
 
@@ -28,6 +32,7 @@ TINY = {
     "05_contracting_dynamics.ipynb": dict(
         lrs=[0.01, 1.0], max_steps=12, micro_batch=4, seq_len=32, d_model=32, n_layers=1, d_state=4,
         max_stories=60),
+    "06_generate.ipynb": dict(max_new_tokens=20, n_samples=2, fallback_steps=2),
 }
 
 
@@ -51,6 +56,8 @@ def _run(name, tmp_path, **extra):
     params = dict(TINY[name], **extra)
     if "out_dir" in notebook_parameters(NOTEBOOKS / name):
         params["out_dir"] = str(tmp_path / "run")
+    if "checkpoint" in notebook_parameters(NOTEBOOKS / name):
+        params.setdefault("checkpoint", str(tmp_path / "missing.pt"))
     papermill.execute_notebook(str(NOTEBOOKS / name), str(out_nb), parameters=params,
                                kernel_name="python3", cwd=str(REPO), progress_bar=False)
     nb = json.loads(out_nb.read_text())
@@ -134,3 +141,199 @@ def test_notebook_04_marks_the_leaky_benchmark_invalid(tmp_path):
     for row in ("Throughput (median window)", "Peak memory", "Stability", "Reproducibility",
                 "Memory safety", "Verdict"):
         assert f"<td>{row}</td>" in html
+
+
+@pytest.mark.notebook
+def test_notebook_06_trains_a_fallback_and_prints_samples(tmp_path):
+    nb, text = _run("06_generate.ipynb", tmp_path)
+    assert f"{tmp_path / 'missing.pt'} is missing (notebook 01 and `make train` write it): training a small model" in text
+    assert (tmp_path / "run" / "checkpoint.pt").exists()
+    samples = re.findall(r"--- sample (\d) \(seed (\d)\)\n(.*)", text)
+    assert [(n, s) for n, s, _ in samples] == [("1", "0"), ("2", "1")]
+    assert samples[0][2].startswith("Once upon a time") and samples[1][2].startswith("One day, a little girl")
+    assert not any("application/vnd.jupyter.widget-view+json" in o.get("data", {})
+                   for c in nb["cells"] for o in c.get("outputs", []))
+
+
+# ---- parameters: ranges stated, checked, and every value inside them runs
+
+def _smallest(spec):
+    if isinstance(spec, Range):
+        return spec.lo
+    if isinstance(spec, OneOf):
+        return spec.choices[0]
+    if isinstance(spec, CommaInts):
+        return ",".join([str(_smallest(spec.item))] * spec.min_len)
+    if isinstance(spec, ListOf):
+        return [_smallest(spec.item)] * spec.min_len
+    return None
+
+
+def _parameter_lines(path):
+    nb = json.loads(path.read_text())
+    i = next(i for i, c in enumerate(nb["cells"]) if "parameters" in c["metadata"].get("tags", []))
+    return "".join(nb["cells"][i]["source"]).splitlines(), "".join(nb["cells"][i + 1]["source"])
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_parameters_cell_states_every_range_and_the_check_follows_it(name):
+    lines, next_cell = _parameter_lines(NOTEBOOKS / name)
+    ranges = RANGES[name[:-len(".ipynb")]]
+    seen = set()
+    for ln in lines:
+        m = re.fullmatch(r"(\w+): (\w+) = (.+?)  # (.+)", ln)
+        assert m, f"{name}: {ln!r} is not `name: type = value  # help`"
+        seen.add(m.group(1))
+        spec = ranges[m.group(1)]
+        if not isinstance(spec, Text):
+            assert m.group(4).endswith(f"({spec.describe()})"), ln
+    assert seen == set(ranges)
+    assert f'check("{name[:-len(".ipynb")]}", globals())' in next_cell
+
+
+def test_readme_states_the_ranges():
+    readme = (REPO / "README.md").read_text()
+    for nb, ranges in RANGES.items():
+        row = next((ln for ln in readme.splitlines() if ln.startswith(f"| `{nb}` |")), "").replace("\\|", "|")
+        for pname, spec in ranges.items():
+            if not isinstance(spec, Text):
+                assert f"`{pname}` {spec.describe()}" in row, (nb, pname)
+
+
+@pytest.mark.parametrize("values, line", [
+    (dict(max_steps=0), "parameter max_steps = 0 is out of range; allowed: range 1..1000000"),
+    (dict(max_steps=1_000_001), "parameter max_steps = 1000001 is out of range; allowed: range 1..1000000"),
+    (dict(max_steps=2.5), "parameter max_steps = 2.5 is not an integer; allowed: range 1..1000000"),
+    (dict(max_steps=True), "parameter max_steps = True is not an integer; allowed: range 1..1000000"),
+    (dict(lr=2.0), "parameter lr = 2.0 is out of range; allowed: range 1e-06..1"),
+    (dict(max_stories=1), "parameter max_stories = 1 is out of range; allowed: 0 or range 2..10000000"),
+    (dict(backend="gpu"), "parameter backend = 'gpu' is not allowed; allowed: one of auto | reference | cpu | triton"),
+    (dict(micro_batch=3, effective_batch=16),
+     "parameter micro_batch = 3 does not divide effective_batch = 16 (0, or a divisor of effective_batch)"),
+])
+def test_check_names_the_parameter_its_value_and_the_range(values, line):
+    with pytest.raises(ParameterError) as e:
+        check("01_train_tinystories", values)
+    assert str(e.value) == line
+    assert e.value._render_traceback_() == [f"error: {line}"]     # what Jupyter shows: no traceback
+
+
+def test_check_lists_and_comma_lists():
+    with pytest.raises(ParameterError, match=r"^parameter lrs = \[0\.1, 20\] holds 20, which is out of range; "
+                                             r"allowed: 1 to 10 values, each range 1e-06\.\.10$"):
+        check("05_contracting_dynamics", dict(lrs=[0.1, 20]))
+    with pytest.raises(ParameterError, match=r"^parameter lrs = \[\] has the wrong number of values"):
+        check("05_contracting_dynamics", dict(lrs=[]))
+    with pytest.raises(ParameterError, match=r"^parameter candidates = '1,x' is not a comma-separated list"):
+        check("02_autotuning", dict(candidates="1,x"))
+    with pytest.raises(ParameterError, match=r"^parameter scaling_processes = \[1, 3\] has a process count that "
+                                             r"does not divide effective_batch = 16"):
+        check("02_autotuning", dict(scaling_processes=[1, 3], effective_batch=16))
+    with pytest.raises(ParameterError) as e:
+        check("02_autotuning", dict(candidates="3,64", effective_batch=16, profile="cpu"))
+    assert str(e.value) == ("parameter candidates = '3,64' has no micro-batch that divides effective_batch = 16 "
+                            "within the cap of profile 'cpu' (1 always does)")
+    check("02_autotuning", dict(candidates="3,8", effective_batch=16, profile="laptop-8gb"))
+    for name, ranges in RANGES.items():      # the smallest and the defaults pass
+        check(name, {k: _smallest(s) for k, s in ranges.items() if _smallest(s) is not None})
+
+
+# The smallest allowed value of every parameter, except max_stories (0 means all the
+# stories: its smallest positive value is used) and paths (into tmp_path).
+SMALLEST = {nb: {k: (2 if k == "max_stories" else _smallest(s)) for k, s in r.items() if _smallest(s) is not None}
+            for nb, r in RANGES.items()}
+# What each notebook says when its runs are too short to judge something.
+TOO_SHORT = {
+    "01_train_tinystories": ["sustained tokens/s: too few steps to judge: need at least 3"],
+    "02_autotuning": ["of which batch size alone (steps only, peak vs sustained): too few steps to judge: need at least 3",
+                      "one process count measured: nothing to compare"],
+    "03_memory_leak_reproduction": ["leaky: too few steps to judge: need at least 18",
+                                    "growth over a 1,000-step run: too few steps to judge: need at least 18"],
+    "04_benchmark_correction": ["before: INVALID", "after: INVALID",
+                                " - memory leak: too few steps to judge: need at least 18 (1 done)"],
+}
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("name", sorted(RANGES))
+def test_smallest_allowed_values_run_to_the_end(name, tmp_path):
+    params = dict(SMALLEST[name])
+    if "out_dir" in RANGES[name]:
+        params["out_dir"] = str(tmp_path / "run")
+    if name == "06_generate":
+        params["checkpoint"] = str(tmp_path / "missing.pt")
+    out = tmp_path / f"{name}.ipynb"
+    papermill.execute_notebook(str(NOTEBOOKS / f"{name}.ipynb"), str(out), parameters=params,
+                               kernel_name="python3", cwd=str(REPO), progress_bar=False)
+    nb = json.loads(out.read_text())
+    text = "\n".join("".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/plain", ""))
+                     for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", []))
+    for line in TOO_SHORT.get(name, []):
+        assert line in text, line
+
+
+# One value outside its range per notebook, and the exact line it stops with.
+OUT_OF_RANGE = {
+    "00_selective_scan_kernels": ("seq_len", 0, "parameter seq_len = 0 is out of range; allowed: range 1..8192"),
+    "01_train_tinystories": ("max_steps", 0, "parameter max_steps = 0 is out of range; allowed: range 1..1000000"),
+    "02_autotuning": ("candidates", "0,2", "parameter candidates = '0,2' holds 0, which is out of range; allowed: "
+                                           "comma-separated, 1 to 16 values, each range 1..256"),
+    "03_memory_leak_reproduction": ("leak", "none", "parameter leak = 'none' is not allowed; allowed: one of "
+                                                    "keep_graph | keep_activations"),
+    "04_benchmark_correction": ("window", 0, "parameter window = 0 is out of range; allowed: range 1..1000"),
+    "05_contracting_dynamics": ("lrs", [0.1, 20.0], "parameter lrs = [0.1, 20.0] holds 20.0, which is out of "
+                                                    "range; allowed: 1 to 10 values, each range 1e-06..10"),
+    "06_generate": ("temperature", 6.0, "parameter temperature = 6.0 is out of range; allowed: range 0..5"),
+}
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("name", sorted(OUT_OF_RANGE))
+def test_a_value_out_of_range_stops_with_one_line(name, tmp_path):
+    pname, value, line = OUT_OF_RANGE[name]
+    out = tmp_path / f"{name}.ipynb"
+    with pytest.raises(papermill.PapermillExecutionError) as e:
+        papermill.execute_notebook(str(NOTEBOOKS / f"{name}.ipynb"), str(out), parameters={pname: value},
+                                   kernel_name="python3", cwd=str(REPO), progress_bar=False)
+    assert (e.value.ename, e.value.evalue) == ("ParameterError", line)
+    errors = [o for c in json.loads(out.read_text())["cells"] for o in c.get("outputs", [])
+              if o["output_type"] == "error"]
+    assert [o["traceback"] for o in errors] == [[f"error: {line}"]]     # one line, no traceback
+
+
+def test_live_loss_curve_redraws_at_most_every_interval_and_ends_with_the_validation_points():
+    from sonata.plots import LiveLossCurve
+
+    class Run:
+        history = []
+    live = LiveLossCurve(every_s=3600, live=True)
+    rows = [{"step": i, "loss": 5.0 - 0.1 * i} for i in range(1, 7)]
+    for r in rows:
+        live(Run, r)
+        Run.history.append(r)
+    assert live.draws == 1                    # the first step, then nothing for an hour
+    rows[2]["val_loss"], rows[5]["val_loss"] = 4.5, 4.2
+    fig = live.close(rows)
+    assert live.draws == 2
+    train, smooth, val = fig.axes[0].get_lines()
+    assert list(train.get_xdata()) == [1, 2, 3, 4, 5, 6] and list(val.get_ydata()) == [4.5, 4.2]
+    assert LiveLossCurve(live=False).live is False
+
+
+def test_generation_panel_streams_the_story_of_its_settings():
+    import html as html_mod
+
+    from conftest import tiny_overrides
+    from sonata.config import make_config
+    from sonata.generate import stream_text
+    from sonata.notebook import generation_panel, interactive_frontend
+    from sonata.trainer import Trainer
+
+    tr = Trainer(make_config(tiny_overrides()), None, progress="none")
+    panel = generation_panel(tr.model, tr.corpus.vocab, "Once upon", max_new_tokens=15, temperature=0.0, top_k=0)
+    panel.generate()
+    expected = "".join(stream_text(tr.model, tr.corpus.vocab, "Once upon", 15, 0.0, 0, 0))
+    assert panel.story.value == (f"<div style='white-space: pre-wrap'><b>Once upon</b>"
+                                 f"{html_mod.escape(expected)}</div>")
+    assert panel.status.value.startswith("done: ") and panel.status.value.endswith(", seed 0")
+    assert interactive_frontend() is False        # no person's frontend under pytest

@@ -1,0 +1,212 @@
+"""JupyterLab in a real browser: what a person sees when driving the notebooks.
+
+Starts JupyterLab the way `make lab` does (.ci/lab: 127.0.0.1, a free port, a fresh
+token) on a temporary folder holding two prepared notebooks, opens headless Chromium
+(Debian's `chromium` and `chromium-driver`, through selenium) and, through the page:
+runs notebook 06 on a small checkpoint, types a prompt, clicks Generate and reads
+the story; runs notebook 01 with small parameters and checks that no error is shown,
+the progress line reached its end and the loss figure was redrawn while it trained.
+Screenshots go to runs/browser/. Skips, saying why, where there is no browser.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+if not (CHROMIUM and DRIVER):
+    pytest.skip("no Chromium and chromium-driver here (apt-get install chromium chromium-driver; "
+                ".ci/run installs them)", allow_module_level=True)
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (the test extra has it)")
+papermill = pytest.importorskip("papermill")
+from selenium.common.exceptions import StaleElementReferenceException, TimeoutException  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+SHOTS = REPO / "runs" / "browser"
+TRAIN_01 = dict(d_model=32, n_layers=1, d_state=4, vocab_size=300, seq_len=64, max_steps=120, micro_batch=8,
+                effective_batch=8, eval_every=40, max_stories=60, n_samples=1, sample_tokens=20, warmup_steps=5)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lab")
+    env = {k: v for k, v in os.environ.items() if k != "SONATA_PROGRESS"}   # the kernel decides: live display
+    # JupyterLab settings of this test only: every cell attached to the page (no windowing)
+    settings = root / "lab-settings" / "@jupyterlab" / "notebook-extension"
+    settings.mkdir(parents=True)
+    (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+    (settings.parent / "apputils-extension").mkdir()
+    (settings.parent / "apputils-extension" / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false"}))
+    env["JUPYTERLAB_SETTINGS_DIR"] = str(root / "lab-settings")
+    # a small checkpoint for notebook 06
+    subprocess.run([sys.executable, "-m", "sonata", "train", "--out", str(root / "small"), "--progress", "none",
+                    "model.d_model=32", "model.n_layers=1", "model.d_state=4", "data.seq_len=32",
+                    "data.max_stories=60", "train.max_steps=30", "train.eval_every=0"],
+                   check=True, env=env, cwd=REPO, capture_output=True, timeout=300)
+    papermill.execute_notebook(str(REPO / "notebooks/06_generate.ipynb"), str(root / "06_generate.ipynb"),
+                               parameters=dict(checkpoint=str(root / "small/checkpoint.pt"), max_new_tokens=60),
+                               prepare_only=True, progress_bar=False)
+    papermill.execute_notebook(str(REPO / "notebooks/01_train_tinystories.ipynb"),
+                               str(root / "01_train_tinystories.ipynb"),
+                               parameters=dict(TRAIN_01, out_dir=str(root / "run01")),
+                               prepare_only=True, progress_bar=False)
+    for name in ("06_generate.ipynb", "01_train_tinystories.ipynb"):     # the page starts without outputs
+        nb = json.loads((root / name).read_text())
+        for c in nb["cells"]:
+            if c["cell_type"] == "code":
+                c["outputs"], c["execution_count"] = [], None
+        (root / name).write_text(json.dumps(nb, indent=1))
+    proc = subprocess.Popen([str(REPO / ".ci/lab"), sys.executable, str(root)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        first = proc.stdout.readline()
+        m = re.match(r"JupyterLab: (http://127\.0\.0\.1:(\d+))/lab\?token=(\w+)", first)
+        assert m, f"unexpected first line from .ci/lab: {first!r}"
+        base, token = m.group(1), m.group(3)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=5)
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError("JupyterLab did not start: " + "".join(proc.stdout.readlines()[-5:])
+                                         if proc.poll() is not None else "JupyterLab did not answer in 120 s")
+                time.sleep(0.5)
+        yield base, token, root
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium.webdriver.chrome.service import Service
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1400,1100"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    yield driver
+    driver.quit()
+
+
+def _css(driver, selector):
+    """Elements of the notebook shown now (other notebooks stay in the page, hidden)."""
+    panels = [p for p in driver.find_elements(By.CSS_SELECTOR, ".jp-NotebookPanel") if p.is_displayed()]
+    return [e for p in panels for e in p.find_elements(By.CSS_SELECTOR, selector)]
+
+
+def _open_and_run_all(driver, base, token, root, name, timeout=240, while_running=None):
+    driver.get(f"{base}/lab/tree/{name}?token={token}")
+    wait = WebDriverWait(driver, 90, poll_frequency=0.25, ignored_exceptions=(StaleElementReferenceException,))
+    n_code = sum(c["cell_type"] == "code" for c in json.loads((root / name).read_text())["cells"])
+    try:
+        wait.until(lambda d: _css(d, '.jp-Notebook-ExecutionIndicator[data-status="idle"]')
+                   and len(_css(d, ".jp-Notebook .jp-CodeCell")) == n_code)
+    except TimeoutException:
+        driver.save_screenshot(str(SHOTS / f"{name}.open-timeout.png"))
+        raise AssertionError(f"{name}: the notebook did not open with an idle kernel and its {n_code} code "
+                             f"cells within 90 s") from None
+    menu = next(e for e in driver.find_elements(By.CSS_SELECTOR, ".lm-MenuBar-item") if e.text.strip() == "Run")
+    menu.click()
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, '.lm-Menu-item[data-command="runmenu:run-all"]'))[0].click()
+
+    def done(d):
+        if while_running:
+            while_running(d)
+        prompts = [e.text for e in _css(d, ".jp-Notebook .jp-CodeCell .jp-InputPrompt")]
+        return len(prompts) == n_code and all(re.fullmatch(r"\[\d+\]:", p) for p in prompts) and \
+            _css(d, '.jp-Notebook-ExecutionIndicator[data-status="idle"]')
+    try:
+        WebDriverWait(driver, timeout, poll_frequency=0.3,
+                      ignored_exceptions=(StaleElementReferenceException,)).until(done)
+    except TimeoutException:
+        driver.save_screenshot(str(SHOTS / f"{name}.timeout.png"))
+        raise AssertionError(f"{name}: not every cell ran within {timeout} s; errors on the page: "
+                             f"{_errors(driver)}") from None
+
+
+def _errors(driver):
+    return [e.text[:300] for e in _css(driver, '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')
+            if "Traceback" in e.text or "Error" in e.text or "error:" in e.text]
+
+
+@pytest.fixture
+def shot_on_failure(browser, request):
+    """A screenshot of the page when the test fails, beside the others."""
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed > failed:
+        browser.save_screenshot(str(SHOTS / f"{request.node.name}.failed.png"))
+
+
+def test_notebook_06_panel_generates_a_story(lab, browser, shot_on_failure):
+    base, token, root = lab
+    _open_and_run_all(browser, base, token, root, "06_generate.ipynb")
+    assert not _errors(browser)
+    wait = WebDriverWait(browser, 60, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
+    box = wait.until(lambda d: _css(d, ".widget-textarea textarea"))[0]
+    box.click()
+    box.send_keys(Keys.CONTROL, "a")
+    box.send_keys(Keys.DELETE)
+    box.send_keys("The little dog")
+    button = next(e for e in _css(browser, "button.jupyter-button") if e.text.strip() == "Generate")
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", button)
+    time.sleep(0.5)              # the text box sends its value to the kernel on change
+    button.click()
+    wait.until(lambda d: _css(d, ".sonata-status") and _css(d, ".sonata-status")[0].text.startswith("done:"))
+    story = _css(browser, ".sonata-story")[0].text
+    browser.save_screenshot(str(SHOTS / "06_generate.png"))
+    assert story.startswith("The little dog") and len(story) > len("The little dog") + 10, story
+    assert re.fullmatch(r"done: \d+ pieces, seed 0", _css(browser, ".sonata-status")[0].text)
+
+
+def test_notebook_01_trains_live_without_errors(lab, browser, shot_on_failure):
+    base, token, root = lab
+    seen = set()
+
+    def watch(d):          # the figure's image, sampled while the cells run
+        for img in _css(d, ".jp-OutputArea-output img"):
+            src = img.get_attribute("src") or ""
+            if src and src not in seen:
+                seen.add(src)
+                if len(seen) == 2:          # redrawn once: show it mid-run
+                    cell = next((c for c in _css(d, ".jp-Notebook .jp-CodeCell") if "LiveLossCurve" in c.text), None)
+                    if cell is not None:
+                        d.execute_script("arguments[0].scrollIntoView({block: 'start'});", cell)
+                    d.save_screenshot(str(SHOTS / "01_train_live.png"))
+
+    _open_and_run_all(browser, base, token, root, "01_train_tinystories.ipynb", while_running=watch)
+    train_cell = next(c for c in _css(browser, ".jp-Notebook .jp-CodeCell") if "LiveLossCurve" in c.text)
+    browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", train_cell)
+    time.sleep(0.5)
+    browser.save_screenshot(str(SHOTS / "01_train.png"))
+    assert not _errors(browser)
+    steps = TRAIN_01["max_steps"]
+    assert re.search(rf"train: {steps}/{steps} \(100%\)", train_cell.text), train_cell.text[:500]
+    assert len(train_cell.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output img")) == 1
+    assert len(seen) >= 2, "the loss figure was not redrawn while training"
+    summary = json.loads((root / "run01" / "summary.json").read_text())
+    assert summary["steps"] == steps
