@@ -56,9 +56,14 @@ def _assert_close(a, b, rel=1e-5):
 
 
 def _assert_same_params(sd_a, sd_b):
+    """Equal up to summation order. AdamW divides each update by the root of its
+    gradient's running square, so an element whose gradient is nearly zero can move by
+    a few 1e-6 when its sums are ordered differently (one element of 9,600 did, with
+    the fused CPU kernels); a wrong shard or a missed reduction moves every weight by
+    about the learning rate (3e-3 here), far above atol."""
     assert sd_a.keys() == sd_b.keys()
     for k in sd_a:
-        torch.testing.assert_close(sd_a[k], sd_b[k], rtol=1e-4, atol=1e-6, msg=k)
+        torch.testing.assert_close(sd_a[k], sd_b[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
 @pytest.fixture(scope="module")
