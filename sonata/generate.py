@@ -14,9 +14,9 @@ import torch
 from sonata import checkpoint as ckpt
 from sonata import hf
 from sonata.config import Config
-from sonata.data import Vocab
 from sonata.errors import CheckpointError
 from sonata.model import Decoder, MambaLM, sample_next
+from sonata.vocab import Vocab
 
 
 def load_model(path, device="cpu") -> tuple[MambaLM, Vocab, Config]:
