@@ -86,11 +86,9 @@ def _force_hub_offline() -> None:
             setattr(m, attr, True)
 
 
-def load_tinystories_hub() -> list[str]:
-    """TinyStories from the Hugging Face hub; fails fast and clearly when offline
-    (only a local Hugging Face cache can answer then: no retry loop)."""
-    hint = ("point data.source at a local TinyStories .txt or .parquet file, "
-            "or set SONATA_TINYSTORIES=/path/to/file")
+def _load_hub(hint: str, **kw):
+    """`datasets.load_dataset(HUB_ID, **kw)`; fails fast and clearly when offline (only
+    a local Hugging Face cache can answer then: no retry loop), `hint` saying what to do."""
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or not _hub_reachable()
     if offline:
         _force_hub_offline()
@@ -98,11 +96,16 @@ def load_tinystories_hub() -> list[str]:
     if offline:
         _force_hub_offline()
     try:
-        ds = datasets.load_dataset(HUB_ID, split="train")
+        return datasets.load_dataset(HUB_ID, **kw)
     except Exception:
         raise DataError(f"cannot load {HUB_ID} from the Hugging Face hub "
                         f"({'offline' if offline else 'download failed'}); {hint}") from None
-    return _texts_from_dataset(ds)
+
+
+def load_tinystories_hub() -> list[str]:
+    """TinyStories' training split from the Hugging Face hub (see `_load_hub`)."""
+    return _texts_from_dataset(_load_hub("point data.source at a local TinyStories .txt or .parquet "
+                                         "file, or set SONATA_TINYSTORIES=/path/to/file", split="train"))
 
 
 def load_stories(source: str = "embedded", max_stories: int = 0) -> list[str]:
@@ -267,19 +270,8 @@ def resolve_source(source: str) -> Source:
 
 
 def _hub_splits() -> dict:
-    hint = ("point data.source at a local TinyStories .txt, .parquet or folder, "
-            "or set SONATA_TINYSTORIES=/path/to/it")
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or not _hub_reachable()
-    if offline:
-        _force_hub_offline()
-    import datasets
-    if offline:
-        _force_hub_offline()
-    try:
-        dd = datasets.load_dataset(HUB_ID)
-    except Exception:
-        raise DataError(f"cannot load {HUB_ID} from the Hugging Face hub "
-                        f"({'offline' if offline else 'download failed'}); {hint}") from None
+    dd = _load_hub("point data.source at a local TinyStories .txt, .parquet or folder, "
+                   "or set SONATA_TINYSTORIES=/path/to/it")
     if "text" not in dd["train"].column_names:
         raise DataError(f"dataset has no 'text' column (columns: {', '.join(dd['train'].column_names)})")
     return {s: dd[s] for s in SPLITS if s in dd}
