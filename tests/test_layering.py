@@ -23,7 +23,7 @@ LAYERS = [
     {"memory", "plan", "checkpoint"},
     {"autotune", "distributed"},
     {"trainer", "generate"},
-    {"bench", "dynamics"},
+    {"bench", "studies", "dynamics"},
     {"__main__"},
 ]
 LAYER = {m: i for i, layer in enumerate(LAYERS) for m in layer}
