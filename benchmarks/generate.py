@@ -16,7 +16,7 @@ must produce the same ids: the table says whether they did. Rows:
                     and at --threads; the ratios use its faster setting
 
 sonata's decode step runs on one thread for small models whatever --threads says
-(sonata.model.Decoder: thread fork/join costs more than these tiny ops).
+(sonata.decode.Decoder: thread fork/join costs more than these tiny ops).
 
 New tokens/s exclude the prompt; time to first token is prompt in -> first new id
 out, for one prompt of --prompt-len tokens. Median of --repeat runs after a warm-up.

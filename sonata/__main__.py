@@ -127,7 +127,7 @@ def cmd_train(args) -> int:
 
 def cmd_prepare(args) -> int:
     from sonata.config import make_config
-    from sonata.data import prepare
+    from sonata.token_cache import prepare
 
     cfg = make_config(args.overrides)
     prep = prepare(cfg.data, progress=args.progress)

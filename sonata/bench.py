@@ -19,25 +19,18 @@ reproduction of a bug, never a speed.
 
     python -m sonata bench [key=value ...] [--steps N] [--json]
 
-Beside it, the throughput studies of the notebooks: `sustained_and_peak` (a training
-run under its profile against a fixed-batch micro-benchmark), `measure_scaling` (1
-against N data-parallel processes at one global batch) and `sync_pitfall` (a clock
-read with and without synchronizing the device). Each returns records; the notebooks
-write the sentences.
+Beside it, notebook 04's readings: `correction_table`, `conclusion`, `timing_readings`,
+`timing_text` and `sync_pitfall` (a clock read with and without synchronizing the
+device). The throughput studies of notebook 02 live in `sonata.studies`.
 """
 from __future__ import annotations
 
-import json
 import math
 import platform
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +40,7 @@ from sonata.config import make_config
 from sonata.device import sync
 from sonata.errors import TrainingDiverged
 from sonata.memory import LeakDetector, MemoryBudgetExceeded, fmt_mib, release_free_memory, too_few_steps
-from sonata.trainer import MEASURE_SKIP, Trainer
+from sonata.trainer import Trainer
 
 DEFAULT_STEPS = 24      # >= the leak detector's skip (2) + window (16) + a few
 DEFAULT_WARMUP = 3
@@ -403,113 +396,3 @@ def sync_pitfall(overrides=(), repeat: int = 10) -> dict:
             "with_sync_tok_per_s": tokens / out["with synchronize"],
             "without_sync_ms": 1e3 * out["without synchronize"],
             "with_sync_ms": 1e3 * out["with synchronize"]}
-
-
-# ---------------------------------------------------------------- throughput studies
-def sustained_and_peak(overrides, sustained_steps: int, peak_micro: int, peak_steps: int,
-                       progress: str | None = None) -> list[dict]:
-    """The dossier's two figures, measured side by side on this machine:
-
-    - *sustained*: a training run under the profile's default batch (micro-batch within
-      the cap, accumulation up to the effective batch), `sustained_steps` steps with
-      its validation and checkpointing as configured;
-    - *peak micro-benchmark*: `train.fixed_micro_batch=peak_micro` (no cap), a few
-      steps, no validation until the end and that on one window.
-
-    Each row gives three readings: end to end (tokens / wall time of the whole run),
-    steps only (the trainer's sustained figure: step time alone, warm-up excluded) and
-    the single best step."""
-    runs = [("sustained (profile default)", list(overrides) + [f"train.max_steps={sustained_steps}"]),
-            (f"peak micro-benchmark (fixed micro-batch {peak_micro})",
-             list(overrides) + [f"train.max_steps={peak_steps}", f"train.fixed_micro_batch={peak_micro}",
-                                "train.eval_every=0", "train.eval_tokens=1"])]
-    rows = []
-    for name, ov in runs:
-        cfg = make_config(ov)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)     # the fixed-batch warning: this row says it
-            tr = Trainer(cfg, None, progress=progress)
-        s = tr.run()
-        steps = [r["tok_per_s"] for r in tr.history[MEASURE_SKIP:]] or [r["tok_per_s"] for r in tr.history]
-        step_s = sum(r["step_s"] for r in tr.history)
-        rows.append({"run": name, "profile": tr.profile.name,
-                     "micro x accum": f"{s['micro_batch']} x {s['accumulation']}",
-                     "steps": s["steps"], "tokens": s["tokens"],
-                     "end-to-end tok/s": round(s["tokens"] / s["wall_s"]),
-                     "steps-only tok/s": (too_few_steps(MEASURE_SKIP + 1) if s["tok_per_s_sustained"] is None
-                                          else round(s["tok_per_s_sustained"])),
-                     "best step tok/s": round(max(steps)),
-                     "outside steps s": round(s["wall_s"] - step_s, 2)})
-    return rows
-
-
-def sustained_vs_peak_text(rows: list[dict]) -> str:
-    """What `sustained_and_peak`'s two rows say, as ratios; a reading that the runs were
-    too short to give is named instead of divided."""
-    sustained, peak = rows
-
-    def ratio(a, b):
-        ok = all(isinstance(v, (int, float)) and v > 0 for v in (a, b))
-        return f"{a / b:.2f}x" if ok else (a if isinstance(a, str) else b if isinstance(b, str)
-                                            else "no figure (a reading rounded to 0 tokens/s)")
-
-    return (f"sustained, end to end: {sustained['end-to-end tok/s']:,} tokens/s; "
-            f"peak, best step: {peak['best step tok/s']:,} tokens/s; "
-            f"ratio {ratio(peak['best step tok/s'], sustained['end-to-end tok/s'])}\n"
-            f"of which batch size alone (steps only, peak vs sustained): "
-            f"{ratio(peak['steps-only tok/s'], sustained['steps-only tok/s'])}; "
-            f"best step vs median steps in the peak run: {ratio(peak['best step tok/s'], peak['steps-only tok/s'])}; "
-            f"validation and checkpoints in the sustained run: {sustained['outside steps s']:.1f} s outside steps")
-
-
-def measure_scaling(overrides, nprocs=(1, 2), steps: int = 20, timeout: float = 1800,
-                    use_torchrun: bool = False) -> list[dict]:
-    """Data-parallel scaling on this machine at a fixed GLOBAL batch (strong scaling).
-
-    For each n in `nprocs`, runs `python -m sonata train --nproc n` (or torchrun with
-    `use_torchrun`) with `overrides` plus train.max_steps=`steps` into a temporary
-    folder and reads its summary.json and metrics.jsonl. Rows: processes, global and
-    per-process tokens/s (sustained: the first steps excluded), median step time
-    (ms), final loss, threads per process, micro-batch x accumulation."""
-    rows = []
-    for n in nprocs:
-        with tempfile.TemporaryDirectory(prefix=f"sonata-scaling-{n}-") as tmp:
-            args = ["train", "--out", tmp, "--progress", "none", *overrides,
-                    f"train.max_steps={steps}"]
-            if use_torchrun and n > 1:
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       f"--nproc_per_node={n}", "-m", "sonata", *args]
-            else:
-                cmd = [sys.executable, "-m", "sonata", *args] + ([] if n == 1 else ["--nproc", str(n)])
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-            if r.returncode != 0:
-                err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
-                raise RuntimeError(f"{n} process(es): exit {r.returncode}: "
-                                   f"{err[0] if err else r.stderr[-500:]}")
-            s = json.loads((Path(tmp) / "summary.json").read_text())
-            metrics = [json.loads(ln) for ln in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
-        step_s = sorted(m["step_s"] for m in metrics[MEASURE_SKIP:]) or sorted(m["step_s"] for m in metrics)
-        tps = s["tok_per_s_sustained"]
-        few = too_few_steps(MEASURE_SKIP + 1)
-        rows.append({"processes": n, "tok/s global": few if tps is None else round(tps),
-                     "tok/s per process": few if tps is None else round(tps / n),
-                     "step time ms": round(1000 * step_s[len(step_s) // 2], 1),
-                     "final loss": round(metrics[-1]["loss"], 4),
-                     "threads per process": s.get("threads"),
-                     "micro x accum": f"{s['micro_batch']} x {s['accumulation']}",
-                     "global batch": s["effective_batch"]})
-    return rows
-
-
-def scaling_text(rows: list[dict], threads: int) -> str:
-    """Each row's global tokens/s against the first row's (1 process), in words; a run
-    too short for a sustained figure says so instead of dividing."""
-    one, lines = rows[0], []
-    for r in rows[1:]:
-        a, b = r["tok/s global"], one["tok/s global"]
-        ratio = (f"{a / b:.2f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0
-                 else a if isinstance(a, str) else b)
-        lines.append(f"{r['processes']} processes x {r['threads per process']} thread(s): {ratio} the global "
-                     f"tokens/s of 1 process x {one['threads per process']} threads, on the same "
-                     f"{threads}-thread machine")
-    return "\n".join(lines) or "one process count measured: nothing to compare"

@@ -3,7 +3,7 @@
 `load_model` reads a sonata checkpoint or a transformers Mamba folder (sonata.hf);
 `generate_text` samples whole continuations in a batch, `stream_text` yields one
 continuation piece by piece as it is sampled. Both consume the prompt in one
-parallel pass and decode with `sonata.model.Decoder` (preallocated buffers).
+parallel pass and decode with `sonata.decode.Decoder` (preallocated buffers).
 """
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import torch
 from sonata import checkpoint as ckpt
 from sonata import hf
 from sonata.config import Config
-from sonata.data import Vocab
+from sonata.decode import Decoder, sample_next
 from sonata.errors import CheckpointError
-from sonata.model import Decoder, MambaLM, sample_next
+from sonata.model import MambaLM
+from sonata.vocab import Vocab
 
 
 def load_model(path, device="cpu") -> tuple[MambaLM, Vocab, Config]:

@@ -9,7 +9,7 @@ A directory written by `export_hf` holds:
     model.safetensors       the weights; the tied embedding is stored once
                             (backbone.embeddings.weight, no lm_head.weight)
     generation_config.json  end-of-text id and sonata's default sampling settings
-    vocab.json              sonata's compact vocabulary (sonata.data.Vocab)
+    vocab.json              sonata's compact vocabulary (sonata.vocab.Vocab)
     sonata_config.json      the full sonata config (for further training)
     README.md               how to load it and encode/decode with the vocabulary
 
@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from sonata.config import Config
-from sonata.data import Vocab
 from sonata.errors import CheckpointError, SonataError
 from sonata.model import MambaLM
+from sonata.vocab import Vocab
 
 VOCAB_FILE = "vocab.json"
 SONATA_CONFIG_FILE = "sonata_config.json"
@@ -121,9 +121,9 @@ UTF-8 bytes, so decoding an encoding gives the text back exactly.
 ```python
 import torch
 from sonata.hf import load_vocab            # or: Vocab.from_state_dict on vocab.json's fields
-from sonata.data import Vocab
+from sonata.vocab import Vocab
 
-vocab = load_vocab("path/to/this/folder")   # a sonata.data.Vocab
+vocab = load_vocab("path/to/this/folder")   # a sonata.vocab.Vocab
 ids = torch.tensor([vocab.encode("Once upon a time")])
 out = model.generate(ids, max_new_tokens=50, do_sample=True, top_k=40, temperature=0.8)
 print(vocab.decode(out[0].tolist()))        # stop at id {Vocab.EOT_ID} (<|endoftext|>) if you like

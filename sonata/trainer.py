@@ -27,7 +27,7 @@ from sonata import distributed
 from sonata import kernels
 from sonata.autotune import choose_plan
 from sonata.config import Config, resolve_profile
-from sonata.data import BatchSampler, Corpus, Vocab, build_corpus, d2h, h2d
+from sonata.data import BatchSampler, Corpus, build_corpus, d2h, h2d
 from sonata.device import autocast_for, check_precision, resolve_device, sync
 from sonata.errors import CheckpointError, TrainingDiverged, TrainingInterrupted, WorkerLost
 from sonata.evaluate import EvalResult, evaluate_stream
@@ -39,6 +39,7 @@ from sonata.plan import Plan, plan_batch, resumed_inputs
 from sonata.progress import Progress
 from sonata.rng import rng_state, seed_everything, set_rng_state
 from sonata.tensorboard_log import TensorBoardLog
+from sonata.vocab import Vocab
 
 MEASURE_SKIP = 2   # steps excluded from sustained tokens/s (compilation, allocator warm-up)
 

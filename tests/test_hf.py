@@ -12,11 +12,12 @@ import torch
 
 from sonata import checkpoint as ckpt
 from sonata.config import Config, ModelConfig
-from sonata.data import Vocab
+from sonata.decode import Decoder
 from sonata.errors import CheckpointError, SonataError
 from sonata.generate import generate_text, load_model, stream_text
 from sonata.hf import export_hf, import_hf
-from sonata.model import Decoder, MambaLM
+from sonata.model import MambaLM
+from sonata.vocab import Vocab
 
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
