@@ -61,7 +61,8 @@ class Progress:
             self._bar = tqdm(total=self.total, desc=desc, leave=True)
         elif self.mode == "display":
             from IPython.display import display
-            self._handle = display(self._text(), display_id=True)
+            # raw text/plain: a str object would be shown as its repr, in quotes
+            self._handle = display({"text/plain": self._text()}, raw=True, display_id=True)
 
     def _text(self) -> str:
         elapsed = time.perf_counter() - self.t0
@@ -77,7 +78,7 @@ class Progress:
             self._bar.set_postfix_str(_fmt(postfix), refresh=False)
             self._bar.update(n)
         elif self.mode == "display":
-            self._handle.update(self._text())
+            self._handle.update({"text/plain": self._text()}, raw=True)
         elif self.mode == "lines" and (self.n >= self._next_line or self.n >= self.total):
             self._print_line()
 

@@ -337,3 +337,26 @@ def test_generation_panel_streams_the_story_of_its_settings():
                                  f"{html_mod.escape(expected)}</div>")
     assert panel.status.value.startswith("done: ") and panel.status.value.endswith(", seed 0")
     assert interactive_frontend() is False        # no person's frontend under pytest
+
+
+def test_progress_line_in_jupyter_is_plain_text_updated_in_place(monkeypatch):
+    import IPython.display
+    from sonata.progress import Progress
+    shown = []
+
+    class Handle:
+        def update(self, obj, **kw):
+            shown.append((obj, kw))
+
+    def display(obj, **kw):
+        shown.append((obj, kw))
+        return Handle()
+    monkeypatch.setattr(IPython.display, "display", display)
+    p = Progress(4, "train", mode="display")
+    for _ in range(4):
+        p.update(1, loss=3.25)
+    p.close()
+    # raw text/plain: a str would be shown as its repr, in quotes
+    assert all(kw.get("raw") is True and set(obj) == {"text/plain"} for obj, kw in shown)
+    assert shown[0][1]["display_id"] is True and len(shown) == 5
+    assert re.fullmatch(r"train: 4/4 \(100%\) +[\d.]+s  loss 3\.25", shown[-1][0]["text/plain"])
