@@ -73,7 +73,7 @@ class TrainConfig:
     eval_every: int = 100       # 0: only at the end
     eval_tokens: int = 0        # 0: the whole validation split
     checkpoint_every: int = 0   # also checkpoint every N steps; 0: by time only
-    checkpoint_every_s: float = 300.0   # checkpoint when this many seconds passed since the last; 0: off
+    checkpoint_every_s: float = 120.0   # checkpoint when this many seconds passed since the last; 0: off
     keep_checkpoints: int = 0   # also keep the last K periodic checkpoints as checkpoint-step<N>.pt; 0: none
     log_every: int = 1          # metrics.jsonl row every N steps
     tensorboard: bool = False   # also write every metrics row as TensorBoard scalars under the run folder
