@@ -71,23 +71,6 @@ class RunRecord:
     steps_for_rate: int = 0          # warm-up + one window: fewer give no tokens/s
     steps_for_leak: int = 0          # fewer give the leak detector no verdict
 
-    def line(self, name: str) -> str:
-        """Memory growth, peak and tokens/s in one line; a figure this run was too
-        short for says so."""
-        growth = (f"{self.mem_slope_bytes_per_step / 2**20:+.2f} MiB per step"
-                  if self.steps_done >= self.steps_for_leak else
-                  f"growth per step: {too_few_steps(self.steps_for_leak)}")
-        rate = (f"{self.tok_per_s:,.0f} tokens/s (median window)" if self.tok_per_s is not None else
-                f"tokens/s: {too_few_steps(self.steps_for_rate)}")
-        return f"{name}: {growth}, peak {self.peak_mem_bytes / 2**20:,.0f} MiB, {rate}"
-
-    def projection(self, steps: int = 1000) -> str:
-        """What the measured growth per step adds over `steps` steps."""
-        if self.steps_done < self.steps_for_leak:
-            return f"growth over a {steps:,}-step run: {too_few_steps(self.steps_for_leak)}"
-        return (f"at this rate the leak adds {self.mem_slope_bytes_per_step * steps / 2**30:,.1f} GiB "
-                f"over a {steps:,}-step run")
-
 
 @dataclass
 class BenchRecord:
