@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from sonata.errors import SonataError, TrainingInterrupted, WorkerLost, writable_dir
+from sonata.progress import MODES, resolve_mode
 
 EXIT_USAGE = 2
 
@@ -42,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="train a model; writes DIR/metrics.jsonl and DIR/checkpoint.pt")
     tr.add_argument("--out", help="output folder (default: runs/<time>, or the resumed run's folder)")
     tr.add_argument("--resume", help="checkpoint to continue from")
-    tr.add_argument("--progress", default=None, help="auto | bar | lines | none")
+    tr.add_argument("--progress", default=None, help=" | ".join(MODES))
     tr.add_argument("--nproc", type=int, default=None,
                     help="data-parallel worker processes on this machine (the global batch is "
                          "train.effective_batch); default 1")
@@ -52,11 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("overrides", nargs="*", help="config overrides as section.key=value")
     pr = sub.add_parser("prepare", help="build (or reuse) the token cache of a data configuration; "
                                          "one summary line per split")
-    pr.add_argument("--progress", default=None, help="auto | bar | lines | none")
+    pr.add_argument("--progress", default=None, help=" | ".join(MODES))
     pr.add_argument("overrides", nargs="*", help="config overrides as section.key=value (data.*)")
     at = sub.add_parser("autotune", help="measure the profile's candidate micro-batches, print the table")
     at.add_argument("--json", action="store_true", help="print the result as JSON")
-    at.add_argument("--progress", default=None, help="auto | bar | lines | none")
+    at.add_argument("--progress", default=None, help=" | ".join(MODES))
     at.add_argument("overrides", nargs="*", help="config overrides as section.key=value")
     be = sub.add_parser("bench", help="measure tokens/s twice with its validity checks; VALID or INVALID")
     be.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 24)")
@@ -275,6 +276,8 @@ def _run(argv=None) -> int:
         args.overrides += extra
     elif extra:
         raise SonataError(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command in ("train", "prepare", "autotune", "bench"):
+        resolve_mode(getattr(args, "progress", None))   # a bad mode stops here, before any work or worker
     return {"train": cmd_train, "prepare": cmd_prepare, "autotune": cmd_autotune, "bench": cmd_bench,
             "generate": cmd_generate, "export": cmd_export}[args.command](args)
 

@@ -19,9 +19,10 @@ reproduction of a bug, never a speed.
 
     python -m sonata bench [key=value ...] [--steps N] [--json]
 
-Beside it, notebook 04's readings: `correction_table`, `conclusion`, `timing_readings`,
-`timing_text` and `sync_pitfall` (a clock read with and without synchronizing the
-device). The throughput studies of notebook 02 live in `sonata.studies`.
+Beside it, notebook 04's readings: `correction_table`, `timing_readings`, `ratio`
+(two readings' ratio, None when one is missing) and `sync_pitfall` (a clock read with
+and without synchronizing the device); the notebook writes the sentences from them.
+The throughput studies of notebook 02 live in `sonata.studies`.
 """
 from __future__ import annotations
 
@@ -69,23 +70,6 @@ class RunRecord:
     warnings: list = field(default_factory=list)   # sonata's warnings during the run
     steps_for_rate: int = 0          # warm-up + one window: fewer give no tokens/s
     steps_for_leak: int = 0          # fewer give the leak detector no verdict
-
-    def line(self, name: str) -> str:
-        """Memory growth, peak and tokens/s in one line; a figure this run was too
-        short for says so."""
-        growth = (f"{self.mem_slope_bytes_per_step / 2**20:+.2f} MiB per step"
-                  if self.steps_done >= self.steps_for_leak else
-                  f"growth per step: {too_few_steps(self.steps_for_leak)}")
-        rate = (f"{self.tok_per_s:,.0f} tokens/s (median window)" if self.tok_per_s is not None else
-                f"tokens/s: {too_few_steps(self.steps_for_rate)}")
-        return f"{name}: {growth}, peak {self.peak_mem_bytes / 2**20:,.0f} MiB, {rate}"
-
-    def projection(self, steps: int = 1000) -> str:
-        """What the measured growth per step adds over `steps` steps."""
-        if self.steps_done < self.steps_for_leak:
-            return f"growth over a {steps:,}-step run: {too_few_steps(self.steps_for_leak)}"
-        return (f"at this rate the leak adds {self.mem_slope_bytes_per_step * steps / 2**30:,.1f} GiB "
-                f"over a {steps:,}-step run")
 
 
 @dataclass
@@ -295,32 +279,12 @@ def correction_table(before: BenchRecord, after: BenchRecord, budget_bytes: int 
     return [{"": name, "before (leaky)": f(before), "after (fixed)": f(after)} for name, f in rows]
 
 
-def conclusion(before: BenchRecord, after: BenchRecord) -> str:
-    """What the two records say, in words, from their numbers."""
-    if before.tok_per_s and after.tok_per_s:
-        ratio = before.tok_per_s / after.tok_per_s
-        speed = (f"Here the leaky run measured {before.tok_per_s:,.0f} tokens/s against "
-                 f"{after.tok_per_s:,.0f} for the fixed one ({ratio:.2f}x). ")
-        if ratio > 1.02:
-            speed += ("It looks faster, as it did in the dossier, but the figure is INVALID: ")
-        else:
-            speed += ("On this hardware the leak does not even look faster: each kept graph is "
-                      "memory the allocator must find anew every step, and there is no slower memory "
-                      "tier for it to spill into. The dossier's leaky figure (7,676 against 5,659 "
-                      "tokens/s) came from such a spill: the leaked activations pushed its 8 GB GPU "
-                      "past its memory into shared system memory, and the overflow traffic, running in "
-                      "parallel with the kernels, masked latency in the measurement while the run was "
-                      "heading for failure. Either way ")
-    else:
-        speed = "One of the runs has no throughput figure. "
-    why = "; ".join(before.reasons) if before.reasons else "no check failed"
-    verb = "accepts" if after.verdict == "VALID" else "rejects"
-    return (speed + f"the harness rejects the leaky run ({why}) and {verb} the fixed one "
-            f"({after.verdict}: flat memory at {after.mem_slope_bytes_per_step / 2**20:+.2f} MiB/step, "
-            f"{after.nonfinite} non-finite steps, reproducible: {after.reproducible}). " + (
-                f"The figure to quote is the fixed run's {after.tok_per_s:,.0f} tokens/s, with its record."
-                if after.verdict == "VALID" else
-                "No figure of these runs is quotable: " + "; ".join(after.reasons) + "."))
+def ratio(a, b) -> float | None:
+    """`a / b`, or None when either reading is missing (a run too short to give it: its
+    cell holds `too_few_steps`'s words or None) or not positive, so that nothing
+    divides by zero; the notebooks write the words around it."""
+    ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (a, b))
+    return a / b if ok else None
 
 
 def timing_readings(rec: BenchRecord, sp: dict) -> list[dict]:
@@ -334,33 +298,6 @@ def timing_readings(rec: BenchRecord, sp: dict) -> list[dict]:
         {"reading": f"one micro-step, no synchronize ({sp['device']})", "tokens/s": round(sp["without_sync_tok_per_s"])},
         {"reading": f"one micro-step, synchronized ({sp['device']})", "tokens/s": round(sp["with_sync_tok_per_s"])},
     ]
-
-
-def timing_text(rec: BenchRecord, sp: dict) -> str:
-    """What the readings say, as ratios; a ratio the run was too short for says so."""
-    few = too_few_steps(rec.warmup + rec.window)
-    lines = []
-    if rec.tok_per_s:
-        spread = (f"{rec.tok_per_s_cv:.1%}" if rec.tok_per_s_cv is not None
-                  else too_few_steps(rec.warmup + 2 * rec.window) + " (two windows)")
-        lines.append(f"peak window / median window: {rec.tok_per_s_best_window / rec.tok_per_s:.2f}x; "
-                     f"window spread (stdev/mean): {spread}")
-        w = rec.tok_per_s_with_warmup / rec.tok_per_s
-        lines.append(f"warm-up included / excluded: {w:.2f}x: " + (
-            "the first steps were slower, one-time costs" if w < 0.97 else
-            "no measurable warm-up cost here (the fused kernels load from numba's on-disk cache); "
-            "the difference is the spread between steps"))
-    else:
-        lines.append(f"peak window / median window and warm-up included / excluded: {few}")
-    ratio = sp["without_sync_tok_per_s"] / sp["with_sync_tok_per_s"]
-    if sp["device"].startswith("cuda"):
-        lines.append(f"no synchronize / synchronized: {ratio:.2f}x "
-                     f"(the unsynchronized clock measured kernel launches)")
-    else:
-        lines.append(f"no synchronize / synchronized on {sp['device']}: {ratio:.2f}x: a CPU finishes each "
-                     f"operation before Python continues, so any difference here is timing noise; this "
-                     f"pitfall shows on a GPU")
-    return "\n".join(lines)
 
 
 def sync_pitfall(overrides=(), repeat: int = 10) -> dict:

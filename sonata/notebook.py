@@ -1,7 +1,6 @@
 """What the notebooks share beyond figures: their parameters' allowed ranges and the
 check each notebook runs right after its `parameters` cell, whether a person is at
-the other end of the kernel, the lines that notebooks print from a summary, and
-notebook 06's model loading and generation panel.
+the other end of the kernel, and notebook 06's model loading and generation panel.
 
     from sonata.notebook import check
     check("01_train_tinystories", globals())
@@ -22,7 +21,6 @@ import torch
 from sonata.config import PRESETS, make_config
 from sonata.errors import SonataError
 from sonata.generate import load_model, stream_text
-from sonata.memory import too_few_steps
 from sonata.trainer import Trainer
 
 
@@ -220,17 +218,6 @@ def interactive_frontend() -> bool:
     shell = ip.get_ipython() if ip is not None else None
     kernel = getattr(shell, "kernel", None)
     return bool(getattr(kernel, "_allow_stdin", False))
-
-
-def training_line(summary: dict) -> str:
-    """Notebook 01's one line about a finished run (`Trainer.run`'s summary)."""
-    rate = summary["tok_per_s_sustained"]
-    rate = (f"{rate:,.0f} tokens/s sustained, first {summary['sustained_excludes_steps']} steps excluded"
-            if rate is not None else
-            f"sustained tokens/s: {too_few_steps(summary['sustained_excludes_steps'] + 1)}")
-    return (f"trained {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['wall_s']:.0f} s "
-            f"({rate}) on {summary['device']} with {summary['threads']} threads, scan backend "
-            f"{summary['backend']}, {summary['fallbacks']} fallbacks")
 
 
 def project_path(path) -> Path:

@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+from sonata.errors import ConfigError
+
 MODES = ("auto", "display", "widget", "bar", "lines", "none")
 
 
@@ -28,9 +30,12 @@ def in_jupyter_kernel() -> bool:
 
 
 def resolve_mode(mode: str | None = None) -> str:
-    mode = mode or os.environ.get("SONATA_PROGRESS", "auto")
+    """The mode to use; an unknown one (argument or $SONATA_PROGRESS) is a `ConfigError`
+    (a `ValueError` too) naming where it came from and the modes there are."""
+    where = "progress mode" if mode else "SONATA_PROGRESS"
+    mode = mode or os.environ.get("SONATA_PROGRESS") or "auto"
     if mode not in MODES:
-        raise ValueError(f"progress mode must be one of {', '.join(MODES)}, not {mode!r}")
+        raise ConfigError(f"{where} must be one of {' | '.join(MODES)}, not {mode!r}")
     if mode != "auto":
         return mode
     if in_jupyter_kernel():

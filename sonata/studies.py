@@ -2,9 +2,11 @@
 the sentences around them):
 
 - `sustained_and_peak`: a training run under its profile against a fixed-batch
-  micro-benchmark, three readings each, and `sustained_vs_peak_text`, their ratios;
-- `measure_scaling`: 1 against N data-parallel processes at one global batch, and
-  `scaling_text`, each row's ratio to the first.
+  micro-benchmark, three readings each;
+- `measure_scaling`: 1 against N data-parallel processes at one global batch.
+
+A cell a run was too short to measure holds `too_few_steps`'s words; `sonata.bench.ratio`
+divides two cells, or gives None for such a cell.
 """
 from __future__ import annotations
 
@@ -57,25 +59,6 @@ def sustained_and_peak(overrides, sustained_steps: int, peak_micro: int, peak_st
     return rows
 
 
-def sustained_vs_peak_text(rows: list[dict]) -> str:
-    """What `sustained_and_peak`'s two rows say, as ratios; a reading that the runs were
-    too short to give is named instead of divided."""
-    sustained, peak = rows
-
-    def ratio(a, b):
-        ok = all(isinstance(v, (int, float)) and v > 0 for v in (a, b))
-        return f"{a / b:.2f}x" if ok else (a if isinstance(a, str) else b if isinstance(b, str)
-                                            else "no figure (a reading rounded to 0 tokens/s)")
-
-    return (f"sustained, end to end: {sustained['end-to-end tok/s']:,} tokens/s; "
-            f"peak, best step: {peak['best step tok/s']:,} tokens/s; "
-            f"ratio {ratio(peak['best step tok/s'], sustained['end-to-end tok/s'])}\n"
-            f"of which batch size alone (steps only, peak vs sustained): "
-            f"{ratio(peak['steps-only tok/s'], sustained['steps-only tok/s'])}; "
-            f"best step vs median steps in the peak run: {ratio(peak['best step tok/s'], peak['steps-only tok/s'])}; "
-            f"validation and checkpoints in the sustained run: {sustained['outside steps s']:.1f} s outside steps")
-
-
 def measure_scaling(overrides, nprocs=(1, 2), steps: int = 20, timeout: float = 1800,
                     use_torchrun: bool = False) -> list[dict]:
     """Data-parallel scaling on this machine at a fixed GLOBAL batch (strong scaling).
@@ -113,17 +96,3 @@ def measure_scaling(overrides, nprocs=(1, 2), steps: int = 20, timeout: float = 
                      "micro x accum": f"{s['micro_batch']} x {s['accumulation']}",
                      "global batch": s["effective_batch"]})
     return rows
-
-
-def scaling_text(rows: list[dict], threads: int) -> str:
-    """Each row's global tokens/s against the first row's (1 process), in words; a run
-    too short for a sustained figure says so instead of dividing."""
-    one, lines = rows[0], []
-    for r in rows[1:]:
-        a, b = r["tok/s global"], one["tok/s global"]
-        ratio = (f"{a / b:.2f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0
-                 else a if isinstance(a, str) else b)
-        lines.append(f"{r['processes']} processes x {r['threads per process']} thread(s): {ratio} the global "
-                     f"tokens/s of 1 process x {one['threads per process']} threads, on the same "
-                     f"{threads}-thread machine")
-    return "\n".join(lines) or "one process count measured: nothing to compare"

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from conftest import tiny_overrides
-from sonata.bench import run_bench
+from sonata.bench import ratio, run_bench
+from sonata.memory import too_few_steps
 from test_train import run_cli
 
 # big enough that one kept graph is MiBs per step (the leak detector's threshold is 256 KiB)
@@ -50,6 +51,16 @@ def test_too_few_steps_cannot_be_valid():
     rec = run_bench(tiny_overrides(), steps=4)
     assert rec.verdict == "INVALID" and rec.tok_per_s is None
     assert any("too few steps" in r for r in rec.reasons)
+    # the readings notebook 04 divides: a missing one gives no ratio rather than an error
+    assert ratio(rec.tok_per_s_best_window, rec.tok_per_s) is None
+    assert ratio(rec.tok_per_s_with_warmup, rec.tok_per_s) is None
+
+
+def test_ratio_divides_two_readings_and_is_none_when_one_is_missing_or_zero():
+    assert ratio(6, 4) == 1.5 and ratio(2.0, 8) == 0.25
+    for a, b in ((None, 4), (4, None), (too_few_steps(3), 4), (4, too_few_steps(3)), (4, 0), (0, 4),
+                 (-1, 4), (True, 1)):
+        assert ratio(a, b) is None, (a, b)
 
 
 def test_cli_bench_json_names_the_leak():

@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 
@@ -89,6 +90,28 @@ def _assert_one_error_line(r, fragment):
 ])
 def test_cli_bad_input_is_one_error_line(tmp_path, args, fragment):
     _assert_one_error_line(run_cli(*args, cwd=tmp_path), fragment)
+
+
+BAD_MODE = "progress mode must be one of auto | display | widget | bar | lines | none, not 'off'"
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["prepare", "--progress", "off"], BAD_MODE),
+    (["train", "--progress", "off"], BAD_MODE),
+    (["train", "--progress", "off", "--nproc", "2"], BAD_MODE),    # before any worker starts
+    (["autotune", "--progress", "off"], BAD_MODE),
+    (["bench", "--progress", "off"], "unrecognized arguments: --progress"),    # bench has no progress option
+])
+def test_cli_unknown_progress_mode_is_one_error_line(tmp_path, args, fragment):
+    _assert_one_error_line(run_cli(*args, cwd=tmp_path), fragment)
+
+
+@pytest.mark.parametrize("command", ["prepare", "train", "autotune", "bench"])
+def test_cli_unknown_progress_mode_from_the_environment_is_one_error_line(tmp_path, command):
+    r = subprocess.run([sys.executable, "-m", "sonata", command], capture_output=True, text=True, cwd=tmp_path,
+                       env=dict(os.environ, SONATA_PROGRESS="off"), timeout=300)
+    _assert_one_error_line(r, "SONATA_PROGRESS must be one of auto | display | widget | bar | lines | none, "
+                              "not 'off'")
 
 
 def test_cli_empty_corpus_and_corrupt_checkpoint(tmp_path):
