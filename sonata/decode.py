@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -34,7 +35,7 @@ ONE_THREAD_MACS = 2**20
 class _LayerWeights:
     """One layer's tensors as the decode step reads them (views of the parameters, made once)."""
 
-    def __init__(self, layer: "MambaBlock", batch: int):
+    def __init__(self, layer: "MambaBlock", conv: torch.Tensor, ssm: torch.Tensor):
         m, c = layer.mixer, layer.mixer.cfg
         w = _decode_weight
         p = m.in_proj.weight
@@ -52,8 +53,8 @@ class _LayerWeights:
         self.A = m.A.to(p.dtype)                                        # (di, n)
         self.D = m.D
         self.out_wt = w(m.out_proj).t()                                 # (di, d)
-        self.conv = p.new_zeros(batch, k, di)                           # ring buffer
-        self.ssm = p.new_zeros(batch, di, c.d_state)
+        self.conv = conv                                                # (b, k, di) ring buffer
+        self.ssm = ssm                                                  # (b, di, n)
 
 
 def _decode_weight(m: nn.Module) -> torch.Tensor:
@@ -70,10 +71,11 @@ class Decoder:
     the parallel scan and loads its final states. `MambaLM.step` is the reference.
     """
 
-    def __init__(self, model: MambaLM, batch: int):
+    def __init__(self, model: MambaLM, batch: int, fused: bool | None = None):
         c = model.cfg
         p = model.embedding.weight
         b, d, di, n, r, k = batch, c.d_model, c.d_inner, c.d_state, c.dt_rank_, c.d_conv
+        nl = len(model.layers)
         self.model, self.batch, self.k, self.pos = model, batch, k, 0
         # A step of a small model is ~40 tiny ops: splitting them over OpenMP threads costs more
         # than it saves, and on a busy machine a waiting thread pool costs milliseconds a step
@@ -81,11 +83,19 @@ class Decoder:
         # while the in_proj work per step is under ~1M multiply-adds.
         self.one_thread = p.device.type == "cpu" and b * d * 2 * di < ONE_THREAD_MACS
         with torch.inference_mode():
-            self.layers = [_LayerWeights(layer, b) for layer in model.layers]
+            # every layer's states in one tensor each, so the fused step takes them in one argument
+            self.conv_state = p.new_zeros(nl, b, k, di)                 # ring buffers
+            self.ssm_state = p.new_zeros(nl, b, di, n)
+            self.layers = [_LayerWeights(layer, self.conv_state[i], self.ssm_state[i])
+                           for i, layer in enumerate(model.layers)]
             self.emb = p.detach()
             self.head_wt = _decode_weight(model.lm_head).t()            # (d, vocab)
         self.norm_w, self.norm_eps, self.dshape = model.norm_f.weight, model.norm_f.eps, (d,)
         new = p.new_empty
+        self.logits = new(b, c.vocab_size)
+        self.fused = self._fused_setup(model, fused)
+        if self.fused:
+            return                                                      # no torch scratch needed
         self.h = new(b, d)
         self.xz = new(b, 2 * di)
         self.x, self.z = self.xz[:, :di], self.xz[:, di:]                # views, made once
@@ -104,7 +114,53 @@ class Decoder:
         self.y = new(b, di)
         self.y3 = self.y[:, :, None]
         self.g = new(b, di)
-        self.logits = new(b, c.vocab_size)
+
+    def _fused_setup(self, model: MambaLM, fused: bool | None) -> bool:
+        """Whether steps run `sonata.kernels.decode_cpu.step` (fused=None: whenever it can: a
+        float32 model on the CPU, no int8, numba installed; True: required; False: never), and
+        its float32 numpy arrays, made once: weight copies, transposed and stacked over the
+        layers, and views of the state and logits tensors (shared memory, so `prefill` and the
+        torch step see the same states)."""
+        p = model.embedding.weight
+        int8 = any(getattr(m, "int8", False) for m in model.modules())
+        can = p.device.type == "cpu" and p.dtype == torch.float32 and not int8
+        if fused is False or (fused is None and not can):
+            return False
+        if not can:
+            raise ValueError("the fused decode step needs a float32 model on the CPU without int8")
+        try:
+            from sonata.kernels import decode_cpu
+        except ImportError:                                             # numba missing
+            if fused:
+                raise
+            return False
+
+        def arr(ts):                                                    # stacked float32 copies
+            return torch.stack([t.detach().float() for t in ts]).contiguous().numpy()
+
+        mix = [layer.mixer for layer in model.layers]
+        c = model.cfg
+        with torch.no_grad():
+            norms = [layer.norm for layer in model.layers] + [model.norm_f]
+            self._weights = (
+                p.detach().contiguous().numpy(),                                    # emb (vocab, d)
+                arr([m.weight for m in norms]),                                     # (L + 1, d)
+                np.array([m.eps for m in norms], dtype=np.float32),
+                arr([m.in_proj.weight.t() for m in mix]),                           # (L, d, 2 di)
+                arr([m.conv1d.weight[:, 0, :].t() for m in mix]),                   # (L, k, di)
+                arr([m.conv1d.bias for m in mix]),                                  # (L, di)
+                arr([m.x_proj.weight.t() for m in mix]),                            # (L, di, r + 2n)
+                arr([m.dt_proj.weight.t() for m in mix]),                           # (L, r, di)
+                arr([m.dt_proj.bias for m in mix]),                                 # (L, di)
+                arr([m.A for m in mix]),                                            # (L, di, n)
+                arr([m.D for m in mix]),                                            # (L, di)
+                arr([m.out_proj.weight.t() for m in mix]),                          # (L, di, d)
+                model.lm_head.weight.detach().t().contiguous().numpy(),             # head (d, vocab)
+            )
+        b = self.batch
+        self._kernel = decode_cpu.step
+        self._tail = (self.conv_state.numpy(), self.ssm_state.numpy(), self.logits.numpy())
+        return True
 
     @torch.inference_mode()
     def prefill(self, prompt) -> torch.Tensor:
@@ -139,6 +195,15 @@ class Decoder:
             return self._step(idx)
 
     def _step(self, idx) -> torch.Tensor:
+        if self.fused:
+            slot = self.pos
+            self.pos = (slot + 1) % self.k
+            self._kernel(idx.numpy(), slot, *self._weights, *self._tail)
+            return self.logits
+        return self._torch_step(idx)
+
+    def _torch_step(self, idx) -> torch.Tensor:
+        """The step in torch ops (the fused kernel's reference; any device, dtype, int8)."""
         h, slot = self.h, self.pos
         self.pos = (slot + 1) % self.k
         torch.index_select(self.emb, 0, idx, out=h)

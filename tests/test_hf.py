@@ -193,6 +193,44 @@ def test_decoder_matches_the_reference_step_and_parallel_forward():
             assert torch.allclose(dec.step(idx[:, t]), full[:, t], atol=1e-10), t
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_decode_step_matches_the_torch_step(batch):
+    """The numba step (sonata.kernels.decode_cpu, used for float32 on CPU) against the torch
+    step it replaces, from the same prefill, over 50 tokens: logits and both states."""
+    pytest.importorskip("numba")
+    m = _sonata(seed=12)
+    idx = _ids(batch, 60, seed=5)
+    fused, plain = Decoder(m, batch), Decoder(m, batch, fused=False)
+    assert fused.fused and not plain.fused
+    assert torch.equal(fused.prefill(idx[:, :10]), plain.prefill(idx[:, :10]))
+    for t in range(10, 60):
+        a, b = fused.step(idx[:, t]), plain.step(idx[:, t])
+        assert (a - b).abs().max().item() < 1e-5, t
+    assert (fused.ssm_state - plain.ssm_state).abs().max().item() < 1e-5
+    assert (fused.conv_state - plain.conv_state).abs().max().item() < 1e-5
+    assert fused.pos == plain.pos
+
+
+def test_fused_decode_step_runs_only_where_it_applies():
+    pytest.importorskip("numba")
+    m = _sonata(seed=13)
+    assert Decoder(m, 2).fused
+    assert not Decoder(m.double(), 2).fused                            # float64: the torch step
+    with pytest.raises(ValueError, match="float32 model on the CPU"):
+        Decoder(m, 2, fused=True)
+    m = _sonata(seed=13)
+    m.set_int8(True)
+    assert not Decoder(m, 2).fused                                     # int8: the torch step
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_greedy_generate_equals_reference_generate(batch):
+    pytest.importorskip("numba")
+    m = _sonata(seed=14)
+    prompt = _ids(batch, 7, seed=6)
+    assert torch.equal(m.generate(prompt, 64, temperature=0), m.generate_reference(prompt, 64, temperature=0))
+
+
 @pytest.mark.parametrize("temperature,top_k", [(0.0, 0), (0.9, 20), (1.0, 0)])
 def test_fast_generate_equals_reference_generate(temperature, top_k):
     m = _sonata(seed=9)

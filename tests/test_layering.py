@@ -18,7 +18,7 @@ LAYERS = [
     {"sources"},
     {"token_cache"},
     {"data", "quant", "decode", "autograd", "kernels", "kernels.reference", "kernels.cpu",
-     "kernels.triton", "kernels.timing"},
+     "kernels.triton", "kernels.timing", "kernels.decode_cpu"},
     {"model"},
     {"memory", "plan", "checkpoint"},
     {"autotune", "distributed"},

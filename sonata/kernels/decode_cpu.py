@@ -1,0 +1,152 @@
+"""One fused numba call per generated token on CPU: every layer, the final norm and the head.
+
+`sonata.decode.Decoder._step` runs a token through ~45 tiny torch ops; at the seed size
+(d_model 96) each costs more in dispatch than in arithmetic. `step` here does the same
+computation in one compiled call, on float32 numpy arrays prepared once (`pack`):
+
+    per layer l, per sequence:
+      hn       = rms_norm(h) * norm_w[l]
+      x, z     = hn @ in_wt[l]                         (in_wt: (d, 2 di), the transposed in_proj)
+      conv[l, slot] = x                                (ring buffer: slot t mod k holds input t)
+      xc       = silu(bias + sum_taps w_tap * conv[l, slot of that tap])
+      dt_in, B, C = xc @ x_wt[l]
+      dt       = softplus(dt_in @ dt_wt[l] + dt_b[l])
+      ssm[l]   = exp(dt * A) * ssm[l] + dt * xc * B    (per channel, N state entries)
+      y        = (ssm[l] . C + D * xc) * silu(z)
+      h       += y @ out_wt[l]
+    logits = rms_norm(h) * norm_w[L] @ head_t         (head_t: (d, vocab), the tied embedding^T)
+
+The ring buffer's layout, slot convention and the states are exactly `Decoder`'s (the torch
+step and this one read and write the same memory), so either can continue the other.
+
+Matrix-vector products are written as sums of scaled weight rows (out[:] += v[i] * W[i, :])
+over the transposed weights: the inner loops are contiguous and vectorize, and for a batch
+every weight row is read once for all the sequences. The decays exp(dt * A) of a sequence
+are computed first, in one flat loop over its (di, n) entries that vectorizes. exp and
+softplus are the scan kernels' float32 versions (sonata.kernels.cpu: < 1 ulp, and < 2e-9
+relative, from libm's); the compile flags are theirs too (`_vec`: sums may be reassociated
+and multiply-adds fused, so results differ from the torch step's by float32 rounding).
+Single-threaded: at these sizes a thread pool's fork/join
+costs more than a step. Compiled on first use, cached on disk (`cache=True`).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from sonata.kernels.cpu import _exp_f32, _softplus_f32, _vec
+
+_ONE = np.float32(1.0)
+
+
+@njit(**_vec)
+def _rms_norm_rows(h, w, eps, out):
+    """out[b] = h[b] * rsqrt(mean(h[b]^2) + eps) * w."""
+    nb, d = h.shape
+    for b in range(nb):
+        ss = np.float32(0.0)
+        for i in range(d):
+            ss += h[b, i] * h[b, i]
+        r = _ONE / np.sqrt(ss / np.float32(d) + eps)
+        for i in range(d):
+            out[b, i] = h[b, i] * r * w[i]
+
+
+@njit(**_vec)
+def _matvec_rows(v, wt, out, accumulate):
+    """out[b] (+)= v[b] @ wt for every row b; wt (n_in, n_out) contiguous."""
+    nb = v.shape[0]
+    n_in, n_out = wt.shape
+    if not accumulate:
+        for b in range(nb):
+            for o in range(n_out):
+                out[b, o] = 0
+    for i in range(n_in):
+        row = wt[i]
+        for b in range(nb):
+            s = v[b, i]
+            ob = out[b]
+            for o in range(n_out):
+                ob[o] += s * row[o]
+
+
+@njit(**_vec)
+def step(idx, slot, emb, norm_w, eps, in_wt, conv_w, conv_b, x_wt, dt_wt, dt_b, A, D, out_wt,
+         head_t, conv, ssm, logits):
+    """One token for every sequence, in place.
+
+    idx (b,) int64; slot: the ring-buffer slot this token's conv input goes to.
+    emb (vocab, d); norm_w (L + 1, d) (the last row: the final norm); eps (L + 1,)
+    in_wt (L, d, 2 di); conv_w (L, k, di) (tap k-1 multiplies the newest input); conv_b (L, di)
+    x_wt (L, di, r + 2n); dt_wt (L, r, di); dt_b (L, di); A (L, di, n); D (L, di)
+    out_wt (L, di, d); head_t (d, vocab)
+    conv (L, b, k, di) ring buffers; ssm (L, b, di, n) states: updated in place
+    logits (b, vocab): written.
+    """
+    n_layers, d, two_di = in_wt.shape
+    di = two_di // 2
+    k = conv_w.shape[1]
+    n = A.shape[2]
+    rn = x_wt.shape[2]
+    r = rn - 2 * n
+    nb = idx.shape[0]
+    f32 = np.float32
+    h, hn = np.empty((nb, d), f32), np.empty((nb, d), f32)
+    xz, xc = np.empty((nb, two_di), f32), np.empty((nb, di), f32)
+    xdbl, dt_in = np.empty((nb, rn), f32), np.empty((nb, r), f32)
+    dt, y = np.empty((nb, di), f32), np.empty((nb, di), f32)
+    dA, dtv = np.empty((di, n), f32), np.empty(di, f32)
+    dA_flat = dA.ravel()
+    Bv, Cv = np.empty(n, f32), np.empty(n, f32)
+    for b in range(nb):
+        for i in range(d):
+            h[b, i] = emb[idx[b], i]
+    for l in range(n_layers):
+        _rms_norm_rows(h, norm_w[l], eps[l], hn)
+        _matvec_rows(hn, in_wt[l], xz, False)
+        cw, cb, cv = conv_w[l], conv_b[l], conv[l]
+        for b in range(nb):
+            for c in range(di):
+                cv[b, slot, c] = xz[b, c]
+            for c in range(di):
+                xc[b, c] = cb[c]
+            for t in range(k):                     # tap t reads the input k-1-t steps back
+                s = (slot - (k - 1 - t)) % k
+                for c in range(di):
+                    xc[b, c] += cw[t, c] * cv[b, s, c]
+            for c in range(di):
+                v = xc[b, c]
+                xc[b, c] = v / (_ONE + _exp_f32(-v))          # silu
+        _matvec_rows(xc, x_wt[l], xdbl, False)
+        for b in range(nb):
+            for j in range(r):
+                dt_in[b, j] = xdbl[b, j]
+        _matvec_rows(dt_in, dt_wt[l], dt, False)
+        Al, Dl, dbl = A[l], D[l], dt_b[l]
+        for b in range(nb):
+            hs = ssm[l, b]                                     # (di, n)
+            for j in range(n):
+                Bv[j] = xdbl[b, r + j]
+                Cv[j] = xdbl[b, r + n + j]
+            for c in range(di):
+                dtv[c] = _softplus_f32(dt[b, c] + dbl[c])
+            # the decays first, in one flat loop that vectorizes (exp inlined W lanes at a time)
+            for c in range(di):
+                for j in range(n):
+                    dA[c, j] = dtv[c] * Al[c, j]
+            for i in range(di * n):
+                dA_flat[i] = _exp_f32(dA_flat[i])
+            for c in range(di):
+                u = xc[b, c]
+                dtu = dtv[c] * u
+                acc = np.float32(0.0)
+                for j in range(n):
+                    hj = dA[c, j] * hs[c, j] + dtu * Bv[j]
+                    hs[c, j] = hj
+                    acc += hj * Cv[j]
+                zc = xz[b, di + c]
+                y[b, c] = (acc + Dl[c] * u) * (zc / (_ONE + _exp_f32(-zc)))     # * silu(z)
+        _matvec_rows(y, out_wt[l], h, True)
+    _rms_norm_rows(h, norm_w[n_layers], eps[n_layers], hn)
+    _matvec_rows(hn, head_t, logits, False)
+
