@@ -86,16 +86,17 @@ class Decoder:
             # every layer's states in one tensor each, so the fused step takes them in one argument
             self.conv_state = p.new_zeros(nl, b, k, di)                 # ring buffers
             self.ssm_state = p.new_zeros(nl, b, di, n)
+        new = p.new_empty
+        self.logits = new(b, c.vocab_size)
+        self.fused = self._fused_setup(model, fused)
+        if self.fused:
+            return                                                      # no torch weights or scratch
+        with torch.inference_mode():
             self.layers = [_LayerWeights(layer, self.conv_state[i], self.ssm_state[i])
                            for i, layer in enumerate(model.layers)]
             self.emb = p.detach()
             self.head_wt = _decode_weight(model.lm_head).t()            # (d, vocab)
         self.norm_w, self.norm_eps, self.dshape = model.norm_f.weight, model.norm_f.eps, (d,)
-        new = p.new_empty
-        self.logits = new(b, c.vocab_size)
-        self.fused = self._fused_setup(model, fused)
-        if self.fused:
-            return                                                      # no torch scratch needed
         self.h = new(b, d)
         self.xz = new(b, 2 * di)
         self.x, self.z = self.xz[:, :di], self.xz[:, di:]                # views, made once
@@ -166,9 +167,9 @@ class Decoder:
     def prefill(self, prompt) -> torch.Tensor:
         """Consume prompt (b, T) in one parallel pass; logits after its last token (b, vocab)."""
         logits, states = self.model.prefill(prompt)
-        for lw, (conv, ssm) in zip(self.layers, states):
-            lw.conv.copy_(conv.transpose(1, 2))                         # newest in slot k-1
-            lw.ssm.copy_(ssm)
+        for i, (conv, ssm) in enumerate(states):
+            self.conv_state[i].copy_(conv.transpose(1, 2))              # newest in slot k-1
+            self.ssm_state[i].copy_(ssm)
         self.pos = 0                                                    # so the next write is slot 0
         self.logits.copy_(logits)
         return self.logits
