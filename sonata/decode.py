@@ -136,15 +136,14 @@ class Decoder:
                 raise
             return False
 
-        def arr(ts):                                                    # stacked float32 copies
-            return torch.stack([t.detach().float() for t in ts]).contiguous().numpy()
+        def arr(ts):   # stacked float32 copies, by numpy: no torch thread pool to wake per copy
+            return np.ascontiguousarray(np.stack([t.detach().numpy() for t in ts]))
 
         mix = [layer.mixer for layer in model.layers]
-        c = model.cfg
         with torch.no_grad():
             norms = [layer.norm for layer in model.layers] + [model.norm_f]
             self._weights = (
-                p.detach().contiguous().numpy(),                                    # emb (vocab, d)
+                np.ascontiguousarray(p.detach().numpy()),                           # emb (vocab, d)
                 arr([m.weight for m in norms]),                                     # (L + 1, d)
                 np.array([m.eps for m in norms], dtype=np.float32),
                 arr([m.in_proj.weight.t() for m in mix]),                           # (L, d, 2 di)
@@ -156,9 +155,8 @@ class Decoder:
                 arr([m.A for m in mix]),                                            # (L, di, n)
                 arr([m.D for m in mix]),                                            # (L, di)
                 arr([m.out_proj.weight.t() for m in mix]),                          # (L, di, d)
-                model.lm_head.weight.detach().t().contiguous().numpy(),             # head (d, vocab)
+                np.ascontiguousarray(model.lm_head.weight.detach().numpy().T),      # head (d, vocab)
             )
-        b = self.batch
         self._kernel = decode_cpu.step
         self._tail = (self.conv_state.numpy(), self.ssm_state.numpy(), self.logits.numpy())
         return True
