@@ -9,14 +9,16 @@ transformers, so both run the same weights. Greedy decoding (argmax), so the two
 must produce the same ids: the table says whether they did. Rows:
 
   sonata            MambaLM.generate: the prompt in one parallel pass, then the
-                    Decoder (preallocated buffers, inference mode)
+                    Decoder (on CPU in float32: one fused numba call per step,
+                    sonata.kernels.decode_cpu; else preallocated torch buffers)
   sonata reference  MambaLM.generate_reference: the prompt token by token, new state
                     tensors per step (the path generation took before)
   transformers      MambaForCausalLM.generate with its cache (use_cache=True), at 1 thread
                     and at --threads; the ratios use its faster setting
 
 sonata's decode step runs on one thread for small models whatever --threads says
-(sonata.decode.Decoder: thread fork/join costs more than these tiny ops).
+(sonata.decode.Decoder: the fused step is single-threaded, and the torch step's thread
+fork/join costs more than its tiny ops).
 
 New tokens/s exclude the prompt; time to first token is prompt in -> first new id
 out, for one prompt of --prompt-len tokens. Median of --repeat runs after a warm-up.
