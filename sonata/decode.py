@@ -69,6 +69,9 @@ class Decoder:
     slicing, no new state tensors per token). The convolution window is a ring buffer read
     with the taps rotated to its write position. `prefill` consumes a whole prompt with
     the parallel scan and loads its final states. `MambaLM.step` is the reference.
+    A float32 model on the CPU without int8 steps with one fused numba call instead
+    (`sonata.kernels.decode_cpu.step`, same states and ring buffer); `fused=False` forces the
+    torch ops, which are that kernel's reference.
     """
 
     def __init__(self, model: MambaLM, batch: int, fused: bool | None = None):
