@@ -19,6 +19,7 @@ import time
 from sonata.errors import ConfigError
 
 MODES = ("auto", "display", "widget", "bar", "lines", "none")
+DISPLAY_EVERY_S = 0.25   # the display line is redrawn at most this often (and at the end)
 
 
 def in_jupyter_kernel() -> bool:
@@ -58,6 +59,7 @@ class Progress:
         self.n, self.postfix, self.t0 = 0, {}, time.perf_counter()
         self._next_line, self._printed = 0, -1
         self._bar = self._handle = None
+        self._shown, self._next_show = 0, 0.0
         if self.mode in ("bar", "widget"):
             if self.mode == "widget":
                 from tqdm.notebook import tqdm
@@ -83,7 +85,9 @@ class Progress:
             self._bar.set_postfix_str(_fmt(postfix), refresh=False)
             self._bar.update(n)
         elif self.mode == "display":
-            self._handle.update({"text/plain": self._text()}, raw=True)
+            now = time.perf_counter()
+            if now >= self._next_show or self.n >= self.total:
+                self._show(now)
         elif self.mode == "lines" and (self.n >= self._next_line or self.n >= self.total):
             self._print_line()
 
@@ -92,9 +96,17 @@ class Progress:
         self._printed = self.n
         self._next_line = self.n + max(1, self.total // 10)
 
+    def _show(self, now: float) -> None:
+        """Redraw the display line; at most every DISPLAY_EVERY_S seconds (each update is
+        a message the front end must handle, and the kernel queues what it has not read)."""
+        self._handle.update({"text/plain": self._text()}, raw=True)
+        self._shown, self._next_show = self.n, now + DISPLAY_EVERY_S
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+        elif self.mode == "display" and self._shown != self.n:
+            self._show(time.perf_counter())
         elif self.mode == "lines" and self._printed != self.n:
             self._print_line()
 

@@ -358,5 +358,12 @@ def test_progress_line_in_jupyter_is_plain_text_updated_in_place(monkeypatch):
     p.close()
     # raw text/plain: a str would be shown as its repr, in quotes
     assert all(kw.get("raw") is True and set(obj) == {"text/plain"} for obj, kw in shown)
-    assert shown[0][1]["display_id"] is True and len(shown) == 5
+    # the first update and the last are shown; those in between wait DISPLAY_EVERY_S
+    assert shown[0][1]["display_id"] is True and len(shown) == 3
     assert re.fullmatch(r"train: 4/4 \(100%\) +[\d.]+s  loss 3\.25", shown[-1][0]["text/plain"])
+    shown.clear()
+    p = Progress(1000, "train", mode="display")
+    for _ in range(600):                       # stopped early: close shows where it stopped
+        p.update(1)
+    p.close()
+    assert 2 <= len(shown) < 50 and shown[-1][0]["text/plain"].startswith("train: 600/1000 ")
