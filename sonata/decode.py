@@ -93,6 +93,7 @@ class Decoder:
         self.logits = new(b, c.vocab_size)
         self.fused = self._fused_setup(model, fused)
         if self.fused:
+            self.one_thread = False       # the fused step runs no torch ops: no thread switch per step
             return                                                      # no torch weights or scratch
         with torch.inference_mode():
             self.layers = [_LayerWeights(layer, self.conv_state[i], self.ssm_state[i])
