@@ -37,25 +37,6 @@ class RMSNormFn(torch.autograd.Function):
         return None, dx, dw, None
 
 
-class ConvSiluFn(torch.autograd.Function):
-    """out = ConvSiluFn.apply(impl, x, weight, bias): the fused depthwise causal conv + SiLU of a
-    backend module with conv_silu_forward(x, weight, bias) -> out and
-    conv_silu_backward(dout, x, weight, bias) -> (dx, dweight, dbias). Saves only its inputs
-    (the backward recomputes the pre-activation)."""
-
-    @staticmethod
-    def forward(ctx, impl, x, weight, bias):
-        ctx.impl = impl
-        ctx.save_for_backward(x, weight, bias)
-        return impl.conv_silu_forward(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, dout):
-        x, weight, bias = ctx.saved_tensors
-        dx, dw, db = ctx.impl.conv_silu_backward(dout, x, weight, bias)
-        return None, dx, dw, db
-
-
 class SelectiveScanFn(torch.autograd.Function):
     """out, last_state = SelectiveScanFn.apply(impl, u, delta, A, B, C, D, z, delta_bias, softplus)."""
 

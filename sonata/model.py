@@ -86,11 +86,11 @@ class MambaMixer(nn.Module):
         return delta, B.transpose(1, 2), C.transpose(1, 2)
 
     def forward(self, h):                                               # h (b, L, d)
-        # Activations stay in the (b, L, channels) layout of the projections end to end; the
-        # scan gets (b, di, L) views of them (its kernels read strides) and writes its output
-        # and gradients in the same layout, so no transpose is ever copied into fresh memory.
+        # The projections work in (b, L, channels); the convolution and the scan in (b, di, L).
+        # Each gets a transposed view of the other's output; the cpu scan copies the views it
+        # reads into its layout (cheaper than reading them in place: sonata/kernels/cpu.py).
         x, z = self.in_proj(h).chunk(2, dim=-1)                         # (b, L, di) views
-        x = conv_silu(x, self.conv1d.weight, self.conv1d.bias, backend=self.cfg.backend)  # (b, L, di)
+        x = conv_silu(x, self.conv1d.weight, self.conv1d.bias)              # (b, L, di) view
         delta, B, C = self._ssm_inputs(x)                               # (b, di, L), (b, n, L) views
         y = selective_scan(x.transpose(1, 2), delta, self.A, B, C, self.D.float(),
                            z=z.transpose(1, 2), delta_bias=self.dt_proj.bias.float(),

@@ -33,7 +33,7 @@ from sonata.errors import CheckpointError, TrainingDiverged, TrainingInterrupted
 from sonata.evaluate import EvalResult, evaluate_stream
 from sonata.memory import (InjectedLeak, LeakDetector, MemoryBudgetExceeded, MemoryGuard,
                            available_ram_bytes, device_total_bytes, peak_memory_bytes,
-                           release_free_memory)
+                           release_free_memory, steady_cpu_heap)
 from sonata.model import MambaLM, param_groups
 from sonata.plan import Plan, plan_batch, resumed_inputs
 from sonata.progress import Progress
@@ -429,6 +429,8 @@ class Trainer:
         """Before the first step: autotune when asked, the DDP wrapper, clean counters."""
         t = self.cfg.train
         kernels.reset_fallback_count()
+        if self.device.type == "cpu":
+            steady_cpu_heap()
         release_free_memory(self.device)
         if t.autotune and not t.fixed_micro_batch and self.autotune_result is None:
             self.apply_autotune()

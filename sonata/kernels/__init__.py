@@ -11,11 +11,12 @@ When a requested fast path cannot run, the reference runs instead, a
 process-wide fallback counter moves (`fallback_count()`) and a warning names
 the reason once per reason. The trainer reports the counter every step.
 
-Around the scan, `rms_norm(x, weight, eps, backend)` (the blocks' RMSNorm) and
-`conv_silu(x, weight, bias, backend)` (the model's the model's depthwise causal
-convolution + SiLU in the activations' (batch, L, dim) layout: fused in numba for the
-`cpu` backend (forward and backward), PyTorch ops (`conv_silu_ref`) for the others, which
-is their design and not a fallback; `cpu` falling back (no numba, a GPU tensor) counts.
+Around the scan, `rms_norm(x, weight, eps, backend)` (the blocks' RMSNorm: fused in numba
+for the `cpu` backend, PyTorch ops for the others, which is their design and not a fallback;
+`cpu` falling back (no numba, a GPU tensor) counts) and `conv_silu(x, weight, bias)` (the
+model's depthwise causal convolution + SiLU, (batch, L, dim) in and out: PyTorch's conv1d
+for every backend. A fused numba conv + SiLU that read the (batch, L, dim) layout in place
+measured slower than PyTorch's (oneDNN) convolution and was removed.)
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import warnings
 
 import torch
 
-from sonata.autograd import ConvSiluFn, RMSNormFn, fused_scan
+from sonata.autograd import RMSNormFn, fused_scan
 from sonata.kernels.reference import conv_silu_ref, rms_norm_ref, selective_scan_ref
 
 BACKENDS = ("auto", "reference", "cpu", "triton")
@@ -136,12 +137,10 @@ def rms_norm(x, weight, eps, backend="auto"):
     return rms_norm_ref(x, weight, eps)
 
 
-def conv_silu(x, weight, bias, backend="auto"):
-    """silu(depthwise causal conv1d(x) + bias): x (batch, L, dim), any strides -> (batch, L, dim);
-    weight (dim, 1, K), bias (dim,). See the module docstring for which backend fuses it."""
-    impl = _fused_cpu(backend, x)
-    if impl is not None:
-        return ConvSiluFn.apply(impl, x, weight, bias)
+def conv_silu(x, weight, bias):
+    """silu(depthwise causal conv1d(x) + bias): x (batch, L, dim), any strides -> (batch, L, dim)
+    (a view of a (batch, dim, L) tensor, the layout the scan reads); weight (dim, 1, K), bias
+    (dim,). PyTorch ops on every backend (see the module docstring)."""
     return conv_silu_ref(x, weight, bias)
 
 

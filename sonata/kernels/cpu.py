@@ -230,21 +230,18 @@ def _sigmoid(x, one):
 # buffers is a transposition. It runs as a plain copy in its own (not inlined) function,
 # once per chunk: inlined into a kernel, with arithmetic in the same loop, LLVM vectorized
 # it with AVX-512 gathers / scatters, which measured slower. The arithmetic runs on the
-# buffers, in loops over the W lanes.
+# buffers, in loops over the W lanes. The activations reach the kernels C-contiguous in
+# (batch, dim, L) (the glue copies them when the model's layout differs): kernels that read
+# the model's (batch, L, dim) layout in place, through strides or as time-major C arrays,
+# measured 1.2-1.9x slower per scan than a copy plus this layout (micro-batch 8 and 16, the
+# whole training step 10-20% slower).
 
 @njit(**_jit)
 def _load_block(x, b, d0, nw, t0, T, buf):
-    """buf[i, w] = x[b, d0 + w, t0 + i]; 0 in the lanes w >= nw (past the last channel).
-    x may be strided: the loop nest follows its smaller stride (time-major for a (batch, L,
-    dim) layout seen as (batch, dim, L), whose W channels per step are contiguous)."""
-    if x.strides[1] < x.strides[2]:
+    """buf[i, w] = x[b, d0 + w, t0 + i]; 0 in the lanes w >= nw (past the last channel)."""
+    for w in range(nw):
         for i in range(T):
-            for w in range(nw):
-                buf[i, w] = x[b, d0 + w, t0 + i]
-    else:
-        for w in range(nw):
-            for i in range(T):
-                buf[i, w] = x[b, d0 + w, t0 + i]
+            buf[i, w] = x[b, d0 + w, t0 + i]
     for i in range(T):
         for w in range(nw, W):
             buf[i, w] = 0
@@ -252,15 +249,10 @@ def _load_block(x, b, d0, nw, t0, T, buf):
 
 @njit(**_jit)
 def _store_block(buf, x, b, d0, nw, t0, T):
-    """x[b, d0 + w, t0 + i] = buf[i, w] for the lanes w < nw (loop nest as in _load_block)."""
-    if x.strides[1] < x.strides[2]:
+    """x[b, d0 + w, t0 + i] = buf[i, w] for the lanes w < nw."""
+    for w in range(nw):
         for i in range(T):
-            for w in range(nw):
-                x[b, d0 + w, t0 + i] = buf[i, w]
-    else:
-        for w in range(nw):
-            for i in range(T):
-                x[b, d0 + w, t0 + i] = buf[i, w]
+            x[b, d0 + w, t0 + i] = buf[i, w]
 
 
 @njit(**_inline)
@@ -551,127 +543,6 @@ def _backward_kernel(dout, dlast, u, delta, A, Bt, Ct, D, z, delta_bias, softplu
 
 
 
-# --------------------------------------------------------------------------- conv + SiLU
-
-# The model's depthwise causal convolution (kernel K along time) and the SiLU after it, in the
-# activations' (batch, L, dim) layout: out[b, t, d] = silu(pre), pre = bias[d] + sum_k
-# w[d, k] x[b, t - K + 1 + k, d]. Channels in lanes again: per time step W consecutive channels
-# are contiguous in memory, so every loop over w is one vector operation. A work item is a block
-# of W channels over all sequences (the backward sums dw, dbias over batch and time in a fixed
-# order inside the item: deterministic, no partials to reduce). The backward recomputes pre
-# (one multiply-add per tap) instead of saving it:
-#   g = dout * silu'(pre),  silu'(p) = s (1 + p (1 - s)), s = sigmoid(p)
-#   dx[b, t, d] = sum_k w[d, k] g[b, t + K - 1 - k, d]   (t + K - 1 - k < L)
-#   dw[d, k] = sum_{b,t} g[b, t, d] x[b, t - K + 1 + k, d],  dbias[d] = sum_{b,t} g[b, t, d]
-
-@njit(**_inline)
-def _conv_pre(x, b, t, d0, nw, Wk, bias_b, xb, pre):
-    """pre[w] = bias + sum_k Wk[k, w] * x[b, t - K + 1 + k, d0 + w]; xb is a (W,) scratch."""
-    K = Wk.shape[0]
-    for w in range(W):
-        pre[w] = bias_b[w]
-    for k in range(K):
-        tt = t - K + 1 + k
-        if tt >= 0:
-            for w in range(W):
-                xb[w] = x[b, tt, d0 + w] if w < nw else x.dtype.type(0)
-            for w in range(W):
-                pre[w] += Wk[k, w] * xb[w]
-
-
-@njit(parallel=True, **_vec)
-def _conv_silu_forward_kernel(x, weight, bias, n_workers, out):
-    # x: (batch, L, dim) strided   weight: (dim, K)   bias: (dim,)   out: (batch, L, dim)
-    batch, L, dim = x.shape
-    K = weight.shape[1]
-    n_blocks = -(-dim // W)
-    n_items = batch * n_blocks
-    one = x.dtype.type(1)
-    queue = np.zeros(1, dtype=np.int64)
-    for _w in prange(n_workers):
-        Wk = np.empty((K, W), dtype=x.dtype)
-        vec = np.empty((3, W), dtype=x.dtype)
-        bias_b, xb, pre = vec[0], vec[1], vec[2]
-        item = _take(queue)
-        while item < n_items:
-            b = item // n_blocks
-            d0 = (item - b * n_blocks) * W
-            nw = min(W, dim - d0)
-            for w in range(W):
-                bias_b[w] = bias[d0 + w] if w < nw else x.dtype.type(0)
-                for k in range(K):
-                    Wk[k, w] = weight[d0 + w, k] if w < nw else x.dtype.type(0)
-            for t in range(L):
-                _conv_pre(x, b, t, d0, nw, Wk, bias_b, xb, pre)
-                for w in range(W):
-                    p = pre[w]
-                    pre[w] = p * _sigmoid(p, one)
-                for w in range(nw):
-                    out[b, t, d0 + w] = pre[w]
-            item = _take(queue)
-
-
-@njit(parallel=True, **_vec)
-def _conv_silu_backward_kernel(dout, x, weight, bias, n_workers, dx, dweight, dbias):
-    # dout, dx: (batch, L, dim)   x: (batch, L, dim) strided   weight, dweight: (dim, K)
-    batch, L, dim = x.shape
-    K = weight.shape[1]
-    n_blocks = -(-dim // W)
-    one = x.dtype.type(1)
-    zero = x.dtype.type(0)
-    queue = np.zeros(1, dtype=np.int64)
-    for _w in prange(n_workers):
-        Wk = np.empty((K, W), dtype=x.dtype)
-        dWk = np.empty((K, W), dtype=x.dtype)
-        gb = np.empty((L + K - 1, W), dtype=x.dtype)    # gb[t] = g_t; K - 1 zero rows past L
-        vec = np.empty((5, W), dtype=x.dtype)
-        bias_b, xb, pre, db, acc = vec[0], vec[1], vec[2], vec[3], vec[4]
-        item = _take(queue)
-        while item < n_blocks:
-            d0 = item * W
-            nw = min(W, dim - d0)
-            for w in range(W):
-                bias_b[w] = bias[d0 + w] if w < nw else zero
-                db[w] = 0
-                for k in range(K):
-                    Wk[k, w] = weight[d0 + w, k] if w < nw else zero
-                    dWk[k, w] = 0
-            for t in range(L, L + K - 1):
-                for w in range(W):
-                    gb[t, w] = 0
-            for b in range(batch):
-                for t in range(L):
-                    _conv_pre(x, b, t, d0, nw, Wk, bias_b, xb, pre)
-                    for w in range(W):
-                        xb[w] = dout[b, t, d0 + w] if w < nw else zero
-                    for w in range(W):
-                        p = pre[w]
-                        s = _sigmoid(p, one)
-                        g = xb[w] * (s * (one + p * (one - s)))
-                        gb[t, w] = g
-                        db[w] += g
-                # dw[k] += g_t x_{t-K+1+k}: for each tap, over the time steps where x exists
-                for k in range(K):
-                    for t in range(K - 1 - k, L):
-                        for w in range(W):
-                            xb[w] = x[b, t - K + 1 + k, d0 + w] if w < nw else zero
-                        for w in range(W):
-                            dWk[k, w] += gb[t, w] * xb[w]
-                for t in range(L):
-                    for w in range(W):
-                        acc[w] = 0
-                    for k in range(K):
-                        for w in range(W):
-                            acc[w] += Wk[k, w] * gb[t + K - 1 - k, w]
-                    for w in range(nw):
-                        dx[b, t, d0 + w] = acc[w]
-            for w in range(nw):
-                dbias[d0 + w] = db[w]
-                for k in range(K):
-                    dweight[d0 + w, k] = dWk[k, w]
-            item = _take(queue)
-
-
 # --------------------------------------------------------------------------- RMSNorm
 
 # RMSNorm over the last dimension of the residual stream, rows = batch * L:
@@ -719,11 +590,17 @@ def _set_threads() -> int:
 
 def _np(t: torch.Tensor, ct: torch.dtype) -> np.ndarray:
     """A numpy view of `t` in dtype `ct`: no copy when `t` already has that dtype, whatever its
-    strides (the kernels read strided inputs; see _load_block)."""
+    strides (the small operands)."""
     t = t.detach().to(ct)
     if any(s < 0 for s in t.stride()):
         t = t.contiguous()
     return t.numpy()
+
+
+def _activation(t: torch.Tensor, ct: torch.dtype) -> np.ndarray:
+    """A (batch, dim, L) activation as the kernels read it: C-contiguous, dtype `ct` (a copy
+    when the model stores it otherwise, e.g. as a (batch, L, dim) tensor transposed)."""
+    return t.detach().to(ct).contiguous().numpy()
 
 
 def _transposed(t: torch.Tensor, ct: torch.dtype) -> np.ndarray:
@@ -735,18 +612,17 @@ def _transposed(t: torch.Tensor, ct: torch.dtype) -> np.ndarray:
 
 def _empty_like_layout(t: torch.Tensor, shape, ct: torch.dtype) -> torch.Tensor:
     """An empty (batch, X, L) tensor stored like `t`: as a (batch, L, X) tensor transposed when
-    t's time steps are its outer stride (a (batch, L, X) layout), contiguous otherwise; so that
-    gradients and outputs come out in the layout their consumer reads."""
+    t's time steps are its outer stride, contiguous otherwise (dB, dC come out like B, C)."""
     if t is not None and t.dim() == 3 and t.stride(1) < t.stride(2):
         return torch.empty((shape[0], shape[2], shape[1]), dtype=ct).transpose(1, 2)
     return torch.empty(shape, dtype=ct)
 
 
-def _optional(t, ct, shape):
+def _optional(t, ct, shape, activation=False):
     """Array for an optional input: the tensor's data, or zeros / a dummy when it is None."""
     if t is None:
         return np.zeros(shape, dtype=np.float64 if ct == torch.float64 else np.float32)
-    return _np(t, ct)
+    return _activation(t, ct) if activation else _np(t, ct)
 
 
 def _n_groups(batch: int, dim: int) -> int:
@@ -763,11 +639,11 @@ def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus):
     N = A.shape[1]
     chunk = CHUNK
     n_chunks = -(-L // chunk)
-    out = _empty_like_layout(u, (batch, dim, L), ct)
+    out = torch.empty((batch, dim, L), dtype=ct)
     last_state = torch.empty((batch, dim, N), dtype=ct)
     ckpt = torch.empty((batch, dim, n_chunks, N), dtype=ct)
-    _forward_kernel(_np(u, ct), _np(delta, ct), _np(A, ct), _transposed(B, ct),
-                    _transposed(C, ct), _optional(D, ct, (dim,)), _optional(z, ct, (1, 1, 1)),
+    _forward_kernel(_activation(u, ct), _activation(delta, ct), _np(A, ct), _transposed(B, ct),
+                    _transposed(C, ct), _optional(D, ct, (dim,)), _optional(z, ct, (1, 1, 1), True),
                     _optional(delta_bias, ct, (dim,)), bool(delta_softplus), z is not None, chunk,
                     n_workers, out.numpy(), last_state.numpy(), ckpt.numpy())
     return out.to(u.dtype), last_state, (ckpt, torch.tensor(chunk))
@@ -781,17 +657,17 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
     ct = compute_dtype(u.dtype)
     batch, dim, L = u.shape
     N = A.shape[1]
-    du = _empty_like_layout(u, (batch, dim, L), ct)
-    ddelta = _empty_like_layout(delta, (batch, dim, L), ct)
-    dz = _empty_like_layout(z, (batch, dim, L), ct) if z is not None else torch.empty((1, 1, 1), dtype=ct)
+    du = torch.empty((batch, dim, L), dtype=ct)
+    ddelta = torch.empty((batch, dim, L), dtype=ct)
+    dz = torch.empty((batch, dim, L) if z is not None else (1, 1, 1), dtype=ct)
     dA = torch.empty((dim, N), dtype=ct)
     dB = _empty_like_layout(B, (batch, N, L), ct)
     dC = _empty_like_layout(C, (batch, N, L), ct)
     dD = torch.empty((dim,), dtype=ct)
     ddb = torch.empty((dim,), dtype=ct)
-    _backward_kernel(_optional(dout, ct, (batch, dim, L)), _optional(dlast, ct, (batch, dim, N)),
-                     _np(u, ct), _np(delta, ct), _np(A, ct), _transposed(B, ct),
-                     _transposed(C, ct), _optional(D, ct, (dim,)), _optional(z, ct, (1, 1, 1)),
+    _backward_kernel(_optional(dout, ct, (batch, dim, L), True), _optional(dlast, ct, (batch, dim, N)),
+                     _activation(u, ct), _activation(delta, ct), _np(A, ct), _transposed(B, ct),
+                     _transposed(C, ct), _optional(D, ct, (dim,)), _optional(z, ct, (1, 1, 1), True),
                      _optional(delta_bias, ct, (dim,)), bool(delta_softplus), z is not None,
                      int(chunk), _np(ckpt, ct), _n_groups(batch, dim), n_workers,
                      du.numpy(), ddelta.numpy(), dz.numpy(), dA.numpy(), dB.numpy(), dC.numpy(),
@@ -800,29 +676,6 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
             None if D is None else dD.to(D.dtype),
             None if z is None else dz.to(z.dtype),
             None if delta_bias is None else ddb.to(delta_bias.dtype))
-
-
-def conv_silu_forward(x, weight, bias):
-    """x (batch, L, dim), any strides; weight (dim, 1, K); bias (dim,) -> out (batch, L, dim),
-    contiguous, in x's dtype (arithmetic in the compute dtype)."""
-    n_workers = _set_threads()
-    ct = compute_dtype(x.dtype)
-    out = torch.empty(x.shape, dtype=ct)
-    _conv_silu_forward_kernel(_np(x, ct), _np(weight.reshape(weight.shape[0], -1), ct),
-                              _np(bias, ct), n_workers, out.numpy())
-    return out.to(x.dtype)
-
-
-def conv_silu_backward(dout, x, weight, bias):
-    """-> (dx (batch, L, dim) contiguous, dweight like weight, dbias), each in its input's dtype."""
-    n_workers = _set_threads()
-    ct = compute_dtype(x.dtype)
-    dx = torch.empty(x.shape, dtype=ct)
-    dw = torch.empty((weight.shape[0], weight.shape[-1]), dtype=ct)
-    db = torch.empty(bias.shape, dtype=ct)
-    _conv_silu_backward_kernel(_np(dout, ct), _np(x, ct), _np(weight.reshape(weight.shape[0], -1), ct),
-                               _np(bias, ct), n_workers, dx.numpy(), dw.numpy(), db.numpy())
-    return dx.to(x.dtype), dw.reshape(weight.shape).to(weight.dtype), db.to(bias.dtype)
 
 
 def rms_norm_forward(x, weight, eps):
