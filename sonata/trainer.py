@@ -433,11 +433,14 @@ class Trainer:
         return contextlib.closing(Progress(total, what, self.progress_mode if progress is None else progress))
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, max_tokens: int | None = None, model: MambaLM | None = None) -> EvalResult:
+    def evaluate(self, max_tokens: int | None = None, model: MambaLM | None = None,
+                 split: str = "validation") -> EvalResult:
         """Validation loss and bits per byte (the whole split unless train.eval_tokens or
-        `max_tokens` limit it); data parallel: sharded over the ranks, summed."""
+        `max_tokens` limit it); data parallel: sharded over the ranks, summed. `split`
+        "train": the same figures on the start of the training stream."""
         t = self.cfg.train
-        return evaluate_stream(model or self.model, self.corpus.val, self._byte_len, self.cfg.data.seq_len,
+        stream = {"validation": self.corpus.val, "train": self.corpus.train}[split]
+        return evaluate_stream(model or self.model, stream, self._byte_len, self.cfg.data.seq_len,
                                max(16, self.plan.micro_batch), t.eval_tokens if max_tokens is None else max_tokens,
                                self.plan.precision, (self.rank, self.world))
 
