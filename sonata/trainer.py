@@ -4,8 +4,8 @@ Each optimizer step draws the global batch from the device-side sampler, splits
 this process's share into micro-batches, accumulates gradients, clips, and steps
 AdamW at the learning rate of `lr_at` (warm-up + cosine, a pure function of the
 step) or, under a time budget (train.max_seconds), of `lr_at_progress` (the same
-cosine over the fraction of the budget used). The batch, accumulation and precision come from the run's frozen `Plan`
-(sonata.plan); the MemoryGuard wraps each step (sonata.memory); data parallel adds
+cosine over the fraction of the budget used). The batch, accumulation and precision
+come from the run's frozen `Plan` (sonata.plan); the MemoryGuard wraps each step (sonata.memory); data parallel adds
 DDP and the agreements of sonata.distributed. The README's "Architecture" section
 describes how the pieces fit.
 """
@@ -153,17 +153,17 @@ class Trainer:
 
     `state`: a checkpoint's dict to resume from (a budgeted run resumes in steps:
     `continue_in_steps`); `progress`: auto | bar | lines | none.
-    `trainer.plan` is what the run trains with; `cfg` stays what was asked."""
+    `trainer.plan` is what the run trains with; `cfg` stays what was asked (but for
+    a resumed budgeted run's train.*, which `continue_in_steps` turns into steps)."""
 
     def __init__(self, cfg: Config, out_dir=None, state: dict | None = None, progress: str | None = None):
         cfg.validate()
+        saved_budget = (state or {}).get("config", {}).get("train", {}).get("max_seconds")
+        # the checkpoint's budget, time and steps when resuming a budgeted run (the summary says it)
+        self.resumed_budget = ({"max_seconds": saved_budget, "train_seconds": state.get("train_seconds", 0.0),
+                                "steps": state["step"]} if saved_budget else None)
         if state:
-            self.resumed_budget = ({"max_seconds": state["config"]["train"]["max_seconds"],
-                                    "train_seconds": state.get("train_seconds", 0.0), "steps": state["step"]}
-                                   if state.get("config", {}).get("train", {}).get("max_seconds") else None)
             cfg = replace(cfg, train=continue_in_steps(cfg.train, state)).validate()
-        else:
-            self.resumed_budget = None
         self.cfg = cfg
         t = cfg.train
         dctx = distributed.init_from_env(t.device)       # world 1 without torchrun: nothing
@@ -545,7 +545,7 @@ class Trainer:
     def _bar_units(self, bar) -> int:
         if not self.cfg.train.max_seconds:
             return 1
-        done = bar.total if self.stopped_by else min(bar.total, int(self.train_seconds))
+        done = bar.total if self.stopped_by == "time" else min(bar.total, int(self.train_seconds))
         return max(0, done - bar.n)
 
     def _prepare(self) -> None:
@@ -557,7 +557,7 @@ class Trainer:
         release_free_memory(self.device)
         if t.autotune and not t.fixed_micro_batch and self.autotune_result is None:
             self.apply_autotune()
-        if t.max_seconds:
+        if t.max_seconds and self._net is None:        # (a DDP-wrapped model is warm already)
             self._warm_kernels()
         if self.world > 1 and self._net is None:
             from torch.nn.parallel import DistributedDataParallel as DDP
