@@ -247,8 +247,9 @@ def test_eval_bad_inputs_are_one_error_line(trained, tmp_path, capsys):
         f"error: text file {latin} is not UTF-8 text (invalid continuation byte at byte 23)"
     short = tmp_path / "short.txt"
     short.write_text("Hi.")
+    n = len(tr.corpus.vocab.encode_stories(["Hi."])[0])
     assert _eval_error(capsys, path, "--text", short) == (
-        f"error: text file {short} is too short to score: {len(tr.corpus.vocab.encode_stories(['Hi.'])[0])} tokens under the checkpoint's vocabulary, "
+        f"error: text file {short} is too short to score: {n} tokens under the checkpoint's vocabulary, "
         f"at least data.seq_len + 1 = 33 needed (one full window)")
     empty = tmp_path / "empty.txt"
     empty.write_text(f"\n{EOT}\n")
