@@ -1,10 +1,11 @@
-"""Command line: python -m sonata train | prepare | autotune | bench | generate | export.
+"""Command line: python -m sonata train | prepare | autotune | bench | generate | eval | export.
 
     python -m sonata train [--out DIR] [--resume CHECKPOINT] [--nproc N] [key=value ...]
     python -m sonata prepare [--progress MODE] [key=value ...]
     python -m sonata autotune [--json] [key=value ...]
     python -m sonata bench [--steps N] [--json] [key=value ...]
     python -m sonata generate CHECKPOINT|DIR [--prompt TEXT] [--n N] [--max-new-tokens N]
+    python -m sonata eval CHECKPOINT|DIR --text FILE [--json] [--device auto|cpu|cuda]
     python -m sonata export CHECKPOINT --hf DIR
 
 A user mistake (unknown key, bad value, missing or corrupt file, empty corpus,
@@ -73,6 +74,12 @@ def _parser() -> argparse.ArgumentParser:
     ge.add_argument("--temperature", type=float, default=0.8)
     ge.add_argument("--top-k", type=int, default=40)
     ge.add_argument("--seed", type=int, default=0)
+    ev = sub.add_parser("eval", help="validation loss and bits per byte of a checkpoint on a UTF-8 text file")
+    ev.add_argument("checkpoint")
+    ev.add_argument("--text", required=True, metavar="FILE",
+                    help="UTF-8 text; stories separated by <|endoftext|> (or one story)")
+    ev.add_argument("--json", action="store_true", help="print the result as JSON")
+    ev.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
     ex = sub.add_parser("export", help="write a checkpoint as a transformers MambaForCausalLM folder")
     ex.add_argument("checkpoint")
     ex.add_argument("--hf", required=True, metavar="DIR", help="output folder (config.json, model.safetensors, ...)")
@@ -120,7 +127,8 @@ def cmd_train(args) -> int:
     summary = trainer.run()
     if not distributed.is_main():
         return 0
-    keys = ("steps", "tokens", "val_loss", "val_bpb", "tok_per_s_sustained", "backend", "fallbacks")
+    keys = ("steps", "tokens", "val_loss", "val_bpb", "tok_per_s_sustained", "backend", "fallbacks",
+            "train_seconds", "stopped_by")
     print(json.dumps({k: summary[k] for k in keys}))
     print(f"wrote {out}/metrics.jsonl, {out}/checkpoint.pt and {out}/summary.json")
     return 0
@@ -212,6 +220,27 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from sonata.device import resolve_device
+    from sonata.evaluate import evaluate_file
+    from sonata.generate import load_model
+
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise SonataError(f"--device must be auto, cpu or cuda, not {args.device!r}")
+    device = resolve_device(args.device)
+    model, vocab, cfg = load_model(args.checkpoint, device)
+    r = evaluate_file(model, vocab, args.text, cfg.data.seq_len)
+    if args.json:
+        print(json.dumps({"loss": r.loss, "bpb": r.bpb, "tokens": r.tokens, "bytes": r.bytes,
+                          "stories": r.stories, "coverage": r.coverage, "seq_len": cfg.data.seq_len}))
+        return 0
+    print(f"{args.text}: {r.stories:,} stories, {r.tokens:,} tokens predicted, {r.bytes:,} bytes "
+          f"(vocabulary of {len(vocab):,}, coverage {r.coverage:.4f}, windows of {cfg.data.seq_len})")
+    print(f"validation loss: {r.loss:.4f} nats/token")
+    print(f"bits per byte: {r.bpb:.4f}")
+    return 0
+
+
 def cmd_export(args) -> int:
     from sonata.generate import load_model
     from sonata.hf import export_hf
@@ -279,7 +308,7 @@ def _run(argv=None) -> int:
     if args.command in ("train", "prepare", "autotune", "bench"):
         resolve_mode(getattr(args, "progress", None))   # a bad mode stops here, before any work or worker
     return {"train": cmd_train, "prepare": cmd_prepare, "autotune": cmd_autotune, "bench": cmd_bench,
-            "generate": cmd_generate, "export": cmd_export}[args.command](args)
+            "generate": cmd_generate, "eval": cmd_eval, "export": cmd_export}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,8 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 1000
+    max_steps: int = 1000       # optimizer steps; under train.max_seconds a cap (0: none): the first to end wins
+    max_seconds: float = 0.0    # time budget: seconds of step time to train, lr over their fraction; 0: off
     micro_batch: int = 0        # sequences per forward/backward; 0: the profile's choice
     effective_batch: int = 0    # sequences per optimizer step (micro x accumulation); 0: the profile's
     autotune: bool = False      # measure the profile's candidate micro-batches first, train with the fastest that fits
@@ -220,6 +221,12 @@ class Config:
         _check(0 < d.val_fraction < 1, "data.val_fraction must be in (0, 1)")
         _check(d.max_stories >= 0, "data.max_stories must be >= 0")
         _check(t.max_steps >= 0, "train.max_steps must be >= 0")
+        _check(isinstance(t.max_seconds, (int, float)) and not isinstance(t.max_seconds, bool)
+               and math.isfinite(t.max_seconds) and t.max_seconds >= 0,
+               f"train.max_seconds must be a number >= 0 (0 = no time budget), not {t.max_seconds!r}")
+        _check(not (t.max_seconds and t.decay_steps),
+               "set train.decay_steps or train.max_seconds, not both (under a time budget the cosine "
+               "ends with the budget)")
         _check(t.micro_batch >= 0, "train.micro_batch must be >= 0 (0 = the profile's choice)")
         _check(t.effective_batch >= 0, "train.effective_batch must be >= 0 (0 = the profile's)")
         _check(t.fixed_micro_batch >= 0, "train.fixed_micro_batch must be >= 0 (0 = off)")

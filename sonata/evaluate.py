@@ -1,17 +1,22 @@
 """Validation: loss per token and bits per UTF-8 byte of a model over a token stream
 (every token predicted exactly once, windows of seq_len), optionally sharded over
-data-parallel ranks."""
+data-parallel ranks; `evaluate_file` scores any UTF-8 text file the same way
+(`python -m sonata eval`)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from sonata import distributed
 from sonata.data import val_batches
 from sonata.device import autocast_for
+from sonata.errors import DataError
+from sonata.sources import _read_text, split_stories
 
 
 @dataclass
@@ -49,3 +54,32 @@ def evaluate_stream(model, stream: torch.Tensor, byte_len: torch.Tensor, seq_len
         n_tok, n_bytes = int(n_tok), int(n_bytes)
     return EvalResult(loss=total / max(n_tok, 1), bpb=total / (math.log(2) * max(n_bytes, 1)),
                       tokens=n_tok, bytes=n_bytes)
+
+
+@dataclass
+class TextEval(EvalResult):
+    stories: int = 0
+    coverage: float = 1.0     # share of o200k tokens the vocabulary keeps whole
+
+
+def evaluate_file(model, vocab, path, seq_len: int, batch: int = 16) -> TextEval:
+    """Validation loss and bits per byte of `model` on a UTF-8 text file, scored exactly
+    as the trainer scores its validation split: the text's stories (separated by
+    <|endoftext|>, or the whole text as one story), stripped, each followed by
+    <|endoftext|>, encoded with `vocab` (the checkpoint's own) and predicted in windows
+    of `seq_len`, every token once; bytes are counted by `vocab.byte_lengths` (a story
+    boundary counts as one byte). The file is read whole. A missing or unreadable file,
+    text that is not UTF-8, or one shorter than seq_len + 1 tokens (one full window) is a
+    DataError."""
+    path = Path(path)
+    stories = split_stories(_read_text(path, "text file"))
+    ids, coverage = vocab.encode_stories(stories) if stories else (np.zeros(0, dtype=np.int32), 1.0)
+    if len(ids) < seq_len + 1:
+        raise DataError(f"text file {path} is too short to score: {len(ids)} tokens under the checkpoint's vocabulary, "
+                        f"at least data.seq_len + 1 = {seq_len + 1} needed (one full window)")
+    device = next(model.parameters()).device
+    stream = torch.from_numpy(ids).to(device)
+    byte_len = torch.from_numpy(vocab.byte_lengths).to(device)
+    r = evaluate_stream(model, stream, byte_len, seq_len, batch)
+    return TextEval(loss=r.loss, bpb=r.bpb, tokens=r.tokens, bytes=r.bytes, stories=len(stories),
+                    coverage=coverage)

@@ -21,6 +21,7 @@ import torch
 from sonata.config import PRESETS, make_config
 from sonata.errors import SonataError
 from sonata.generate import load_model, stream_text
+from sonata.studies import SPEEDRUN
 from sonata.trainer import Trainer
 
 
@@ -159,6 +160,11 @@ RANGES = {
         "checkpoint": Text(), "prompt": Text(), "max_new_tokens": Range(1, 4096),
         "temperature": Range(0.0, 5.0, float), "top_k": Range(0, 200_000), "seed": SEED,
         "n_samples": Range(1, 20), "fallback_steps": Range(1, 100_000), "out_dir": Text(),
+    },
+    "07_ten_minute_speedrun": {
+        "budget_s": Range(1, 7200, float), "data_source": OneOf("embedded", "tinystories"),
+        "configs": ListOf(OneOf(*SPEEDRUN), 1, len(SPEEDRUN)), "curve_points": Range(1, 100),
+        "seed": SEED, "out_dir": Text(),
     },
 }
 

@@ -201,3 +201,19 @@ def memory_curves(series: dict, budget_bytes: int | None = None, title: str = "m
     ax.legend()
     fig.tight_layout()
     return fig
+
+
+def bpb_against_time(curves: dict, title: str = "validation bits per byte"):
+    """Validation bits per byte against training seconds, one line per named run
+    (notebook 07); `curves[name]` is a list of (seconds, bpb)."""
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for name, points in curves.items():
+        if points:
+            ax.plot(*zip(*points), "o-", ms=3, label=name)
+    ax.set_xlabel("training seconds (evaluation excluded)")
+    ax.set_ylabel("validation bits per byte")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    return fig

@@ -33,15 +33,15 @@ def split_stories(text: str) -> list[str]:
     return [s.strip() for s in text.split(EOT) if s.strip()]
 
 
-def _read_text(path: Path) -> str:
+def _read_text(path: Path, what: str = "data file") -> str:
     try:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise DataError(f"data file not found: {path}") from None
+        raise DataError(f"{what} not found: {path}") from None
     except UnicodeDecodeError as e:
-        raise DataError(f"data file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise DataError(f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
-        raise DataError(f"cannot read data file {path}: {e.strerror}") from None
+        raise DataError(f"cannot read {what} {path}: {e.strerror}") from None
 
 
 def _texts_from_dataset(ds) -> list[str]:

@@ -1,24 +1,31 @@
-"""The throughput studies of notebook 02, each returning records (the notebook writes
+"""The studies of notebooks 02 and 07, each returning records (the notebook writes
 the sentences around them):
 
 - `sustained_and_peak`: a training run under its profile against a fixed-batch
   micro-benchmark, three readings each;
-- `measure_scaling`: 1 against N data-parallel processes at one global batch.
+- `measure_scaling`: 1 against N data-parallel processes at one global batch;
+- `speedrun`: configurations trained under the same time budget, with their
+  validation curves (notebook 07).
 
 A cell a run was too short to measure holds `too_few_steps`'s words; `sonata.bench.ratio`
 divides two cells, or gives None for such a cell.
 """
 from __future__ import annotations
 
+import gc
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sonata.config import make_config
+from sonata.errors import DataError
 from sonata.memory import too_few_steps
+from sonata.sources import resolve_source
 from sonata.trainer import MEASURE_SKIP, Trainer
 
 
@@ -96,3 +103,108 @@ def measure_scaling(overrides, nprocs=(1, 2), steps: int = 20, timeout: float = 
                      "micro x accum": f"{s['micro_batch']} x {s['accumulation']}",
                      "global batch": s["effective_batch"]})
     return rows
+
+
+# Notebook 07's configurations: config overrides on top of the default configuration
+# (d_model 96, 2 layers, vocabulary 512, lr 3e-3, the profile's batch, weight decay 0.1).
+SPEEDRUN = {
+    "default": {},
+    "wider": {"model.d_model": 128},
+    "deeper": {"model.n_layers": 4},
+    "vocab1024": {"data.vocab_size": 1024},
+    "vocab2048": {"data.vocab_size": 2048},
+    "lr1e-3": {"train.lr": 1e-3},
+    "lr6e-3": {"train.lr": 6e-3},
+    "batch8": {"train.effective_batch": 8},
+    "batch32": {"train.effective_batch": 32},
+    "wd0": {"train.weight_decay": 0.0},
+    "wd0.3": {"train.weight_decay": 0.3},
+}
+
+
+def speedrun_source(data_source: str) -> tuple[str, str]:
+    """The data.source for notebook 07's `data_source` and one line saying what it is:
+    `tinystories` is $SONATA_TINYSTORIES or the hub, and the embedded corpus when
+    neither can be read here (the line says so and why); `embedded` is the embedded corpus."""
+    if data_source == "embedded":
+        return "embedded", "data: the embedded corpus (data/stories.txt)"
+    try:
+        resolve_source("tinystories")
+    except DataError as e:
+        return "embedded", (f"data: TinyStories is not available here ({e}); "
+                            f"using the embedded corpus instead")
+    local = os.environ.get("SONATA_TINYSTORIES")
+    return "tinystories", f"data: TinyStories ({local if local else 'from the Hugging Face hub'})"
+
+
+@dataclass
+class Speedrun:
+    rows: list = field(default_factory=list)      # one per configuration (the table)
+    curves: dict = field(default_factory=dict)    # name -> [(training seconds, validation bpb)]
+
+
+def speedrun(names, budget_s: float, source: str = "embedded", curve_points: int = 8, seed: int = 0,
+             out_dir=None, progress: str | None = None, configs: dict | None = None) -> Speedrun:
+    """Train each named configuration (`configs`, default SPEEDRUN) for `budget_s`
+    seconds of training time (train.max_seconds, no step cap) on data.source `source`.
+
+    Each run is validated on the whole validation split at `curve_points` evenly spaced
+    moments of its budget (the last at its end); the curve is validation bits per byte
+    against training seconds (evaluation excluded). Each row: parameters, tokens/s
+    (tokens over training seconds), steps, epochs (tokens trained / tokens in the
+    training stream), training bits per byte (the start of the training stream, as
+    many tokens as the validation split), validation bits per byte and the gap between
+    them. With `out_dir`, each run writes its folder `out_dir/<name>` (metrics.jsonl,
+    checkpoint.pt, summary.json)."""
+    configs = SPEEDRUN if configs is None else configs
+    result = Speedrun()
+    for name in names:
+        changes = configs[name]
+        cfg = make_config({"data.source": source, "train.max_seconds": float(budget_s), "train.max_steps": 0,
+                           "train.eval_every": 0, "train.seed": seed, **changes})
+        trainer = Trainer(cfg, Path(out_dir) / name if out_dir else None, progress=progress)
+        points: list = []
+        every = budget_s / curve_points
+        due = [every]
+
+        def validate_on_time(tr, row, points=points, due=due):
+            if row["progress"] < 1.0 and row["train_s"] >= due[0]:      # the last step validates itself
+                ev = tr.evaluate()
+                row.update(val_loss=ev.loss, val_bpb=ev.bpb)
+                points.append((row["train_s"], ev.bpb))
+                due[0] = (int(row["train_s"] / every) + 1) * every
+
+        s = trainer.run(on_step=validate_on_time)
+        points.append((s["train_seconds"], s["val_bpb"]))
+        train = trainer.evaluate(max_tokens=s["val_tokens"], split="train")
+        result.curves[name] = points
+        result.rows.append({
+            "configuration": name,
+            "changes": ", ".join(f"{k}={v}" for k, v in changes.items()) or "-",
+            "params": s["params"], "tokens/s": round(s["tokens"] / s["train_seconds"]),
+            "steps": s["steps"], "epochs": round(s["tokens"] / s["data"]["tokens_train"], 2),
+            "train s": round(s["train_seconds"], 1),
+            "train bpb": round(train.bpb, 4), "val bpb": round(s["val_bpb"], 4),
+            "gap": round(s["val_bpb"] - train.bpb, 4)})
+        del trainer
+        gc.collect()
+    return result
+
+
+def speedrun_conclusion(rows: list[dict], budget_s: float) -> str:
+    """Notebook 07's conclusion, written from its measured rows."""
+    best = min(rows, key=lambda r: r["val bpb"])
+    lines = [f"best under {budget_s:g} s of training: {best['configuration']} ({best['changes']}) at "
+             f"{best['val bpb']:.4f} validation bits per byte, {best['steps']:,} steps, "
+             f"{best['epochs']:g} epochs"]
+    default = next((r for r in rows if r["configuration"] == "default"), None)
+    if default is not None and default is not best:
+        lines.append(f"the default reached {default['val bpb']:.4f}: {best['configuration']} is "
+                     f"{default['val bpb'] - best['val bpb']:.4f} bits per byte better")
+    if len(rows) > 1:
+        fast = max(rows, key=lambda r: r["tokens/s"])
+        gap = max(rows, key=lambda r: r["gap"])
+        lines.append(f"fastest: {fast['configuration']} at {fast['tokens/s']:,} tokens/s; "
+                     f"largest train/validation gap: {gap['configuration']} ({gap['gap']:+.4f} bits per byte, "
+                     f"{gap['epochs']:g} epochs)")
+    return "\n".join(lines)

@@ -3,8 +3,9 @@
 Each optimizer step draws the global batch from the device-side sampler, splits
 this process's share into micro-batches, accumulates gradients, clips, and steps
 AdamW at the learning rate of `lr_at` (warm-up + cosine, a pure function of the
-step). The batch, accumulation and precision come from the run's frozen `Plan`
-(sonata.plan); the MemoryGuard wraps each step (sonata.memory); data parallel adds
+step) or, under a time budget (train.max_seconds), of `lr_at_progress` (the same
+cosine over the fraction of the budget used). The batch, accumulation and precision
+come from the run's frozen `Plan` (sonata.plan); the MemoryGuard wraps each step (sonata.memory); data parallel adds
 DDP and the agreements of sonata.distributed. The README's "Architecture" section
 describes how the pieces fit.
 """
@@ -17,6 +18,7 @@ import signal
 import threading
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,7 +31,7 @@ from sonata.autotune import choose_plan
 from sonata.config import Config, resolve_profile
 from sonata.data import BatchSampler, Corpus, build_corpus, d2h, h2d
 from sonata.device import autocast_for, check_precision, resolve_device, sync
-from sonata.errors import CheckpointError, TrainingDiverged, TrainingInterrupted, WorkerLost
+from sonata.errors import CheckpointError, ConfigError, TrainingDiverged, TrainingInterrupted, WorkerLost
 from sonata.evaluate import EvalResult, evaluate_stream
 from sonata.memory import (InjectedLeak, LeakDetector, MemoryBudgetExceeded, MemoryGuard,
                            available_ram_bytes, device_total_bytes, peak_memory_bytes,
@@ -44,6 +46,11 @@ from sonata.vocab import Vocab
 MEASURE_SKIP = 2   # steps excluded from sustained tokens/s (compilation, allocator warm-up)
 
 
+def _cosine(frac: float, t) -> float:
+    """train.lr at frac 0, train.lr * train.min_lr_ratio (the floor) at frac 1, cosine between."""
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
 def lr_at(step: int, t) -> float:
     """Learning rate for optimizer step `step` (0-based): linear warm-up, then cosine to
     min_lr at train.decay_steps (0: train.max_steps), constant after."""
@@ -51,7 +58,49 @@ def lr_at(step: int, t) -> float:
         return t.lr * (step + 1) / t.warmup_steps
     span = max(1, (t.decay_steps or t.max_steps) - t.warmup_steps)
     frac = min(1.0, (step - t.warmup_steps) / span)
-    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+    return _cosine(frac, t)
+
+
+def lr_at_progress(step: int, progress: float, t) -> float:
+    """Learning rate of a time-budgeted run (train.max_seconds) for optimizer step `step`
+    ending at `progress`, the fraction of the budget used (in [0, 1]): the cosine of
+    `lr_at` over the budget, so the step that ends the budget (progress 1) trains at the
+    floor, train.lr * train.min_lr_ratio. Warm-up stays in steps: the rate rises linearly
+    over train.warmup_steps and never exceeds the cosine."""
+    lr = _cosine(min(1.0, max(0.0, progress)), t)
+    if t.warmup_steps and step < t.warmup_steps:
+        lr = min(lr, t.lr * (step + 1) / t.warmup_steps)
+    return lr
+
+
+def continue_in_steps(t, state: dict):
+    """The train.* values of a run resumed from `state` (a checkpoint's dict): `t` itself,
+    unless the checkpoint's run had a time budget.
+
+    A budgeted run resumes *in steps*: the resumed run is an ordinary step-based run
+    (train.max_seconds 0) whose cosine horizon (train.decay_steps) is the number of
+    steps the whole budget reaches at the pace the run had, steps / (fraction of the
+    budget used): for a run that used its budget, the steps it reached (the resumed
+    run trains at the floor), for an interrupted one its steps so far extrapolated
+    to the end of its budget. train.max_steps becomes that horizon (within the budgeted
+    run's step cap, if it had one), unless changed on resume. Why steps, not a fresh
+    or remaining budget: time is not reproducible, steps are; from the checkpoint on,
+    two resumes train identically, and a resumed run's own checkpoints resume like
+    any step-based run. A budget cannot be changed (or added) on resume: a new budget
+    is a new run (ConfigError)."""
+    saved = state.get("config", {}).get("train", {})
+    budget = float(saved.get("max_seconds", 0) or 0)
+    if t.max_seconds and t.max_seconds != budget:
+        raise ConfigError(f"train.max_seconds cannot be {'changed' if budget else 'set'} on resume "
+                          f"(a resumed run continues in steps: set train.max_steps; a new budget is a new run)")
+    steps, used = int(state.get("step", 0)), float(state.get("train_seconds", 0.0))
+    if not budget or steps == 0 or used <= 0:
+        return t                     # a step-based run, or a budgeted one that spent nothing yet
+    horizon = max(steps, round(steps / min(1.0, used / budget)))
+    cap = int(saved.get("max_steps", 0))
+    max_steps = t.max_steps if t.max_steps != cap else (min(horizon, cap) if cap else horizon)
+    decay = t.decay_steps if t.decay_steps != int(saved.get("decay_steps", 0)) else horizon
+    return replace(t, max_seconds=0.0, max_steps=max_steps, decay_steps=decay)
 
 
 class _StopSignal:
@@ -102,11 +151,20 @@ class _Throughput:
 class Trainer:
     """trainer = Trainer(cfg, out_dir); trainer.run() -> summary dict.
 
-    `state`: a checkpoint's dict to resume from; `progress`: auto | bar | lines | none.
-    `trainer.plan` is what the run trains with; `cfg` stays what was asked."""
+    `state`: a checkpoint's dict to resume from (a budgeted run resumes in steps:
+    `continue_in_steps`); `progress`: auto | bar | lines | none.
+    `trainer.plan` is what the run trains with; `cfg` stays what was asked (but for
+    a resumed budgeted run's train.*, which `continue_in_steps` turns into steps)."""
 
     def __init__(self, cfg: Config, out_dir=None, state: dict | None = None, progress: str | None = None):
-        self.cfg = cfg.validate()
+        cfg.validate()
+        saved_budget = (state or {}).get("config", {}).get("train", {}).get("max_seconds")
+        # the checkpoint's budget, time and steps when resuming a budgeted run (the summary says it)
+        self.resumed_budget = ({"max_seconds": saved_budget, "train_seconds": state.get("train_seconds", 0.0),
+                                "steps": state["step"]} if saved_budget else None)
+        if state:
+            cfg = replace(cfg, train=continue_in_steps(cfg.train, state)).validate()
+        self.cfg = cfg
         t = cfg.train
         dctx = distributed.init_from_env(t.device)       # world 1 without torchrun: nothing
         self.world, self.rank = dctx.world, dctx.rank
@@ -157,6 +215,10 @@ class Trainer:
         self.sampler = BatchSampler(self.corpus.train, cfg.data.seq_len, seed=t.seed, device=self.device)
         self.step = 0
         self.tokens = 0
+        self.train_seconds = 0.0      # time inside optimizer steps, all runs of this model (resumes add)
+        self._last_step_s = 0.0       # the last step's time (data parallel: the slowest rank's)
+        self._step_s = 0.0            # this rank's time of the last train_step
+        self.stopped_by: str | None = None   # after run(): "time" (the budget) or "steps"
         self.counters = {"nonfinite_steps": 0, "scaler_skipped_steps": 0}
         self._consecutive_nonfinite = 0
         self._step_start = None       # (sampler, rng) at the start of the step in progress (DDP)
@@ -189,7 +251,7 @@ class Trainer:
                 "scheduler": {"kind": "warmup_cosine", "step": self.step},
                 "step": self.step, "micro_step": self.step * self.accumulation * self.world,
                 "world_size": self.world,
-                "tokens": self.tokens, "counters": dict(self.counters),
+                "tokens": self.tokens, "train_seconds": self.train_seconds, "counters": dict(self.counters),
                 "consecutive_nonfinite": self._consecutive_nonfinite,
                 "sampler": self.sampler.state_dict(), "rng": rng_state(),
                 "vocab": self.corpus.vocab.state_dict(), "config": self.cfg.to_dict(),
@@ -205,6 +267,7 @@ class Trainer:
                 self.scaler.load_state_dict(state["scaler"])
             self.sampler.load_state_dict(state["sampler"])
             self.step, self.tokens = int(state["step"]), int(state["tokens"])
+            self.train_seconds = float(state.get("train_seconds", 0.0))
             self.counters.update(state.get("counters", {}))
             self._consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
             self.autotune_result = state.get("autotune")
@@ -269,6 +332,7 @@ class Trainer:
             torch.set_num_threads(self._threads)
         sync(self.device)                       # the clock is read only once the device is done
         dt = time.perf_counter() - t0
+        self._step_s = dt
         n_tok = plan.effective_batch * self.cfg.data.seq_len
         self.step += 1
         self.tokens += n_tok
@@ -281,10 +345,21 @@ class Trainer:
         return row
 
     def _set_lr(self) -> float:
-        lr = lr_at(self.step, self.cfg.train)
+        lr = self.lr_now()
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         return lr
+
+    def budget_progress(self) -> float:
+        """Under train.max_seconds: the fraction of the budget that will be used when the
+        next step ends, estimated as the training seconds so far plus the last step's
+        time (at most 1; the step that reaches 1 is the run's last)."""
+        return min(1.0, (self.train_seconds + self._last_step_s) / self.cfg.train.max_seconds)
+
+    def lr_now(self) -> float:
+        """The learning rate of the next optimizer step."""
+        t = self.cfg.train
+        return lr_at_progress(self.step, self.budget_progress(), t) if t.max_seconds else lr_at(self.step, t)
 
     def _micro_steps(self, net, x, y, plan: Plan) -> torch.Tensor:
         """Forward and backward of each micro-batch; returns the summed loss (on device)."""
@@ -358,11 +433,14 @@ class Trainer:
         return contextlib.closing(Progress(total, what, self.progress_mode if progress is None else progress))
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, max_tokens: int | None = None, model: MambaLM | None = None) -> EvalResult:
+    def evaluate(self, max_tokens: int | None = None, model: MambaLM | None = None,
+                 split: str = "validation") -> EvalResult:
         """Validation loss and bits per byte (the whole split unless train.eval_tokens or
-        `max_tokens` limit it); data parallel: sharded over the ranks, summed."""
+        `max_tokens` limit it); data parallel: sharded over the ranks, summed. `split`
+        "train": the same figures on the start of the training stream."""
         t = self.cfg.train
-        return evaluate_stream(model or self.model, self.corpus.val, self._byte_len, self.cfg.data.seq_len,
+        stream = {"validation": self.corpus.val, "train": self.corpus.train}[split]
+        return evaluate_stream(model or self.model, stream, self._byte_len, self.cfg.data.seq_len,
                                max(16, self.plan.micro_batch), t.eval_tokens if max_tokens is None else max_tokens,
                                self.plan.precision, (self.rank, self.world))
 
@@ -375,7 +453,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def run(self, on_step=None) -> dict:
-        """Train to train.max_steps. `on_step(trainer, row)` may add fields to each row."""
+        """Train to train.max_steps, or under a time budget (train.max_seconds > 0) until
+        that many seconds of training time have passed. `on_step(trainer, row)` may add
+        fields to each row.
+
+        Training time is the time inside optimizer steps (`row["step_s"]`, summed; data
+        parallel: the slowest rank's each step): setup, autotuning, evaluation, metrics
+        and checkpoint writing are not counted. Each row's `train_s` is the total so far.
+        Under a budget the learning rate follows `lr_at_progress` (the cosine ends at
+        the budget) and the run stops after the step whose projected end reaches it
+        (that step trains at the floor); train.max_steps > 0 still caps it, and the
+        first of the two ends the run (a warning says when the step cap came first);
+        train.max_steps=0 means no step cap. train.eval_every stays in steps."""
         t = self.cfg.train
         t_start = time.perf_counter()
         self._prepare()
@@ -385,10 +474,10 @@ class Trainer:
         last_eval: EvalResult | None = None
         peak_all = 0
         try:
-            with self._bar(t.max_steps - self.step, "train") as bar, _StopSignal() as stop, \
+            with self._train_bar() as bar, _StopSignal() as stop, \
                     self._on_lost_peer():                  # inside: signals are still only flagged
                 self._stop = stop
-                while self.step < t.max_steps:
+                while not self._finished():
                     row, peak_all, signum = self._guarded_step()
                     speed.add(row, self.plan.effective_batch * self.cfg.data.seq_len)
                     row["nonfinite_steps"] = self.counters["nonfinite_steps"]
@@ -396,7 +485,7 @@ class Trainer:
                     self._follow_memory(row)
                     if on_step is not None:
                         on_step(self, row)
-                    final = self.step == t.max_steps
+                    final = self._finished(row)
                     if (t.eval_every and self.step % t.eval_every == 0) or final:
                         last_eval = self.evaluate()
                         row.update(val_loss=last_eval.loss, val_bpb=last_eval.bpb)
@@ -409,7 +498,7 @@ class Trainer:
                     self._stop_if_diverged()
                     if self._checkpoint_due(final):
                         self.save_checkpoint()
-                    bar.update(1, loss=row["loss"], **{"tok/s": round(row["tok_per_s"])},
+                    bar.update(self._bar_units(bar), loss=row["loss"], **{"tok/s": round(row["tok_per_s"])},
                                **({"val_bpb": row["val_bpb"]} if "val_bpb" in row else {}))
                     if signum is not None:
                         self._stop_on_signal(signum)
@@ -425,7 +514,39 @@ class Trainer:
                 metrics.close()
             if tboard:
                 tboard.close()
+        self._warn_if_capped()
         return self._finish(last_eval or self.evaluate(), speed, time.perf_counter() - t_start)
+
+    def _finished(self, row: dict | None = None) -> bool:
+        """Whether the run is over, and why (`stopped_by`): its budget spent (the step of
+        `row` ran at progress 1) or its step count reached."""
+        t = self.cfg.train
+        if self.stopped_by is None:
+            if t.max_seconds and row is not None and row["progress"] >= 1.0:
+                self.stopped_by = "time"
+            elif self.step >= t.max_steps and (t.max_steps or not t.max_seconds):
+                self.stopped_by = "steps"
+        return self.stopped_by is not None
+
+    def _warn_if_capped(self) -> None:
+        t = self.cfg.train
+        if t.max_seconds and self.stopped_by == "steps":
+            warnings.warn(f"sonata: train.max_steps={t.max_steps} ended the run after {self.train_seconds:.1f} s "
+                          f"of its {t.max_seconds:g} s budget (the learning rate had not reached its floor); "
+                          f"train.max_steps=0 lifts the step cap", UserWarning, stacklevel=3)
+
+    def _train_bar(self):
+        """Steps to go; under a budget, whole seconds of it."""
+        t = self.cfg.train
+        if t.max_seconds:
+            return self._bar(math.ceil(t.max_seconds), f"train ({t.max_seconds:g} s budget, seconds)")
+        return self._bar(t.max_steps - self.step, "train")
+
+    def _bar_units(self, bar) -> int:
+        if not self.cfg.train.max_seconds:
+            return 1
+        done = bar.total if self.stopped_by == "time" else min(bar.total, int(self.train_seconds))
+        return max(0, done - bar.n)
 
     def _prepare(self) -> None:
         """Before the first step: autotune when asked, the DDP wrapper, clean counters."""
@@ -436,29 +557,58 @@ class Trainer:
         release_free_memory(self.device)
         if t.autotune and not t.fixed_micro_batch and self.autotune_result is None:
             self.apply_autotune()
+        if t.max_seconds and self._net is None:        # (a DDP-wrapped model is warm already)
+            self._warm_kernels()
         if self.world > 1 and self._net is None:
             from torch.nn.parallel import DistributedDataParallel as DDP
             self._net = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self._stop = None
         self._leak_warned = False
         self._last_save = time.monotonic()
+        self._last_step_s = 0.0      # an autotuner's steps do not count towards the budget
+        self.stopped_by = None
+
+    def _warm_kernels(self) -> None:
+        """Under a time budget, before the clock starts: one forward and backward of a
+        micro-batch of zeros, no update (the gradients are dropped; no random number is
+        drawn), so the one-time cost of compiling or loading the scan kernels (seconds
+        on the first step of a process) is setup, not training time."""
+        x = torch.zeros((self.plan.micro_batch, self.cfg.data.seq_len), dtype=torch.long, device=self.device)
+        self.model.train()
+        with autocast_for(self.plan.precision, self.device):
+            logits = self.model(x)
+        logits.float().sum().backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        sync(self.device)
 
     def _guarded_step(self) -> tuple[dict, int, int | None]:
         """One step inside the memory guard: (row, peak memory, signal to stop on).
         Data parallel: the guard's checks, the peaks and the signal are agreed over ranks."""
         for hook in self.before_step:
             hook(self)
+        if self.cfg.train.max_seconds:
+            progress = self.budget_progress()       # what the step's learning rate is set from
         with self.guard.watch(self.step, self._agree if self.world > 1 else None) as watch:
             row = self.train_step()
+        if self.cfg.train.max_seconds:
+            row["progress"] = progress
         row["mem_bytes"], row["step_peak_bytes"] = watch.mem_bytes, watch.peak
         if watch.maxima is None:
+            self._count_time(row["step_s"], row)
             return row, peak_memory_bytes(self.device), self._stop.signum
-        peak_all, row["step_peak_bytes"], signum = (int(v) for v in watch.maxima)
+        peak_all, row["step_peak_bytes"], signum = (int(v) for v in watch.maxima[:3])
+        self._count_time(watch.maxima[3], row)       # every rank counts the same time
         return row, peak_all, signum or None          # a later signal: the next step's turn
 
+    def _count_time(self, step_s: float, row: dict) -> None:
+        self._last_step_s = step_s
+        self.train_seconds += step_s
+        row["train_s"] = self.train_seconds
+
     def _agree(self, err: MemoryBudgetExceeded | None, numbers) -> list[float]:
-        """The guard's agreement; after the step it also carries this rank's signal."""
-        extra = [*numbers, self._stop.signum or 0] if numbers is not None else []
+        """The guard's agreement; after the step it also carries this rank's signal and
+        step time (the maximum over ranks is the step's training time everywhere)."""
+        extra = [*numbers, self._stop.signum or 0, self._step_s] if numbers is not None else []
         return distributed.agree_on_trip(err, extra)
 
     def _follow_memory(self, row: dict) -> None:
@@ -542,6 +692,8 @@ class Trainer:
         summary = {
             "steps": self.step, "tokens": self.tokens,
             "wall_s": wall_s,
+            "max_seconds": self.cfg.train.max_seconds, "train_seconds": self.train_seconds,
+            "stopped_by": self.stopped_by, "resumed_budget": self.resumed_budget,
             "tok_per_s_sustained": speed.sustained,
             "sustained_excludes_steps": MEASURE_SKIP,
             "val_loss": last_eval.loss, "val_bpb": last_eval.bpb,

@@ -33,6 +33,8 @@ TINY = {
         lrs=[0.01, 1.0], max_steps=12, micro_batch=4, seq_len=32, d_model=32, n_layers=1, d_state=4,
         max_stories=60),
     "06_generate.ipynb": dict(max_new_tokens=20, n_samples=2, fallback_steps=2),
+    "07_ten_minute_speedrun.ipynb": dict(budget_s=2, data_source="embedded", configs=["default", "wd0"],
+                                         curve_points=2),
 }
 
 
@@ -155,6 +157,52 @@ def test_notebook_06_trains_a_fallback_and_prints_samples(tmp_path):
                    for c in nb["cells"] for o in c.get("outputs", []))
 
 
+@pytest.mark.notebook
+def test_notebook_07_trains_each_configuration_under_the_budget(tmp_path):
+    nb, text = _run("07_ten_minute_speedrun.ipynb", tmp_path)
+    assert "data: the embedded corpus (data/stories.txt)" in text
+    html = _html(nb)
+    for name in ("default", "wd0"):
+        assert f"<td>{name}</td>" in html
+        summary = json.loads((tmp_path / "run" / name / "summary.json").read_text())
+        assert summary["max_seconds"] == 2 and summary["stopped_by"] == "time" and summary["steps"] > 0
+        assert f"<td>{summary['val_bpb']:.4f}".rstrip("0") in html
+    assert "<th>train bpb</th>" in html and "<th>gap</th>" in html and "<th>epochs</th>" in html
+    best = re.search(r"best under 2 s of training: (\w+) \(", text)
+    assert best and best.group(1) in ("default", "wd0")
+    assert _images(nb) == 1
+
+
+def test_speedrun_falls_back_to_the_embedded_corpus_and_says_so(monkeypatch):
+    from sonata.studies import speedrun_source
+    monkeypatch.delenv("SONATA_TINYSTORIES", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", "/nonexistent-hf-home")        # no local copy of the hub dataset either
+    monkeypatch.setenv("HF_DATASETS_CACHE", "/nonexistent-hf-home/datasets")
+    source, note = speedrun_source("tinystories")
+    assert source == "embedded"
+    assert note.startswith("data: TinyStories is not available here (cannot load roneneldan/TinyStories from "
+                           "the Hugging Face hub (offline)") and note.endswith("using the embedded corpus instead")
+    monkeypatch.setenv("SONATA_TINYSTORIES", str(REPO / "data" / "stories.txt"))
+    assert speedrun_source("tinystories") == ("tinystories", f"data: TinyStories ({REPO / 'data' / 'stories.txt'})")
+    assert speedrun_source("embedded") == ("embedded", "data: the embedded corpus (data/stories.txt)")
+
+
+def test_speedrun_budget_range_ends():
+    for ok in (1, 1.0, 600, 7200):
+        check("07_ten_minute_speedrun", {"budget_s": ok})
+    for bad in (0.99, 7200.5, -1):
+        with pytest.raises(ParameterError, match=rf"^parameter budget_s = {bad} is out of range; "
+                                                 r"allowed: range 1\.\.7200$"):
+            check("07_ten_minute_speedrun", {"budget_s": bad})
+    with pytest.raises(ParameterError, match=r"^parameter configs = \['default', 'huge'\] holds 'huge', "
+                                             r"which is not allowed"):
+        check("07_ten_minute_speedrun", {"configs": ["default", "huge"]})
+    with pytest.raises(ParameterError, match=r"^parameter data_source = 'hub' is not allowed; "
+                                             r"allowed: one of embedded \| tinystories$"):
+        check("07_ten_minute_speedrun", {"data_source": "hub"})
+
+
 # ---- parameters: ranges stated, checked, and every value inside them runs
 
 def _smallest(spec):
@@ -172,7 +220,9 @@ def _smallest(spec):
 def _parameter_lines(path):
     nb = json.loads(path.read_text())
     i = next(i for i, c in enumerate(nb["cells"]) if "parameters" in c["metadata"].get("tags", []))
-    return "".join(nb["cells"][i]["source"]).splitlines(), "".join(nb["cells"][i + 1]["source"])
+    # a notebook saved by papermill with parameters has their cell next: the check follows it
+    j = i + 1 + ("injected-parameters" in nb["cells"][i + 1]["metadata"].get("tags", []))
+    return "".join(nb["cells"][i]["source"]).splitlines(), "".join(nb["cells"][j]["source"])
 
 
 @pytest.mark.parametrize("name", sorted(TINY))
@@ -284,6 +334,7 @@ OUT_OF_RANGE = {
     "05_contracting_dynamics": ("lrs", [0.1, 20.0], "parameter lrs = [0.1, 20.0] holds 20.0, which is out of "
                                                     "range; allowed: 1 to 10 values, each range 1e-06..10"),
     "06_generate": ("temperature", 6.0, "parameter temperature = 6.0 is out of range; allowed: range 0..5"),
+    "07_ten_minute_speedrun": ("budget_s", 0.5, "parameter budget_s = 0.5 is out of range; allowed: range 1..7200"),
 }
 
 
