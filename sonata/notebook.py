@@ -126,9 +126,9 @@ RANGES = {
         "time_repeat": Range(1, 100), "threads": Range(1, 256),
     },
     "01_train_tinystories": {
-        "data_source": Text(), **MODEL, "vocab_size": Range(258, 200_000),
-        "max_steps": Range(1, 1_000_000), "micro_batch": Range(0, 32),
-        "effective_batch": Range(1, 4096), "lr": Range(1e-6, 1.0, float),
+        "data_source": Text(), **MODEL, "vocab_size": Range(258, 65536, zero=True),   # 0: the data's default
+        "max_steps": Range(1, 1_000_000, zero=True), "max_seconds": Range(1, 86_400, float, zero=True),
+        "micro_batch": Range(0, 32), "effective_batch": Range(1, 4096), "lr": Range(1e-6, 1.0, float, zero=True),
         "warmup_steps": Range(0, 1_000_000), "eval_every": Range(0, 1_000_000), "seed": SEED,
         "backend": OneOf("auto", "reference", "cpu", "triton"), "threads": THREADS,
         "n_samples": Range(0, 20), "sample_tokens": Range(1, 4096), "out_dir": Text(),

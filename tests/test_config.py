@@ -1,6 +1,6 @@
 import pytest
 
-from sonata.config import Config, apply_overrides, make_config
+from sonata.config import TRAIN_DEFAULTS, Config, apply_overrides, describe_length, make_config, with_train_defaults
 from sonata.errors import ConfigError
 
 
@@ -9,6 +9,40 @@ def test_defaults_are_the_seed_configuration():
     assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.d_state, cfg.model.expand) == (96, 2, 16, 2)
     assert cfg.data.seq_len == 128 and cfg.data.vocab_size == 512
     assert cfg.model.dt_rank_ == 6 and cfg.model.d_inner == 192
+
+
+UNSET = {"data.vocab_size": 0, "train.lr": 0.0, "train.max_steps": 0, "train.max_seconds": 0.0}
+
+
+@pytest.mark.parametrize("source, vocab, lr, steps, seconds, line", [
+    ("embedded", 512, 3e-3, 1500, 0.0, "vocabulary 512, peak lr 0.003, 1,500 steps"),
+    ("tinystories", 2048, 6e-3, 0, 600.0, "vocabulary 2,048, peak lr 0.006, a 600 s time budget"),
+    ("/data/stories.txt", 2048, 6e-3, 0, 600.0, "vocabulary 2,048, peak lr 0.006, a 600 s time budget"),
+])
+def test_train_defaults_follow_the_data(source, vocab, lr, steps, seconds, line):
+    """make train / notebook 01: values left at 0 (or absent) take the defaults of the data."""
+    for given in ({"data.source": source, **UNSET}, {"data.source": source}):
+        cfg = make_config(with_train_defaults(given))
+        assert (cfg.data.vocab_size, cfg.train.lr, cfg.train.max_steps, cfg.train.max_seconds) == \
+            (vocab, lr, steps, seconds)
+        assert describe_length(cfg) == line
+    assert set(TRAIN_DEFAULTS) == {"embedded", "real"}
+
+
+def test_train_defaults_never_replace_a_value_that_is_set():
+    real = {"data.source": "tinystories", **UNSET}
+    cfg = make_config(with_train_defaults({**real, "data.vocab_size": 1024, "train.lr": 1e-3}))
+    assert (cfg.data.vocab_size, cfg.train.lr, cfg.train.max_seconds) == (1024, 1e-3, 600.0)
+    # a length set either way replaces the data's whole default length
+    cfg = make_config(with_train_defaults({**real, "train.max_steps": 300}))
+    assert (cfg.train.max_steps, cfg.train.max_seconds) == (300, 0.0)
+    assert describe_length(cfg) == "vocabulary 2,048, peak lr 0.006, 300 steps"
+    cfg = make_config(with_train_defaults({"data.source": "embedded", **UNSET, "train.max_seconds": 30.0}))
+    assert (cfg.train.max_steps, cfg.train.max_seconds, cfg.data.vocab_size) == (0, 30.0, 512)
+    cfg = make_config(with_train_defaults({**real, "train.max_seconds": 30.0, "train.max_steps": 50}))
+    assert describe_length(cfg) == "vocabulary 2,048, peak lr 0.006, a 30 s time budget, at most 50 steps"
+    # the command line and the seed configuration are untouched by them
+    assert make_config(["data.source=tinystories"]).data.vocab_size == 512
 
 
 def test_overrides_are_parsed_by_field_type():

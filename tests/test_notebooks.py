@@ -7,6 +7,7 @@ import re
 import pytest
 
 from conftest import REPO
+from sonata.checkpoint import load as load_checkpoint
 from sonata.notebook import RANGES, CommaInts, ListOf, OneOf, ParameterError, Range, Text, check
 
 papermill = pytest.importorskip("papermill")
@@ -89,6 +90,21 @@ def test_notebook_01_trains_and_reports(tmp_path):
     assert "parameters: " in text and "coverage" in text
     assert _images(nb) >= 1
     assert (run / "checkpoint.pt").exists()
+
+
+@pytest.mark.notebook
+def test_notebook_01_takes_the_defaults_of_real_text(tmp_path):
+    """Parameters left at 0 on real text (any source but the embedded corpus): notebook
+    07's winner (vocabulary 2048, lr 6e-3, a time budget with no step cap)."""
+    stories = tmp_path / "stories.txt"
+    stories.write_text((REPO / "data" / "stories.txt").read_text())
+    nb, text = _run("01_train_tinystories.ipynb", tmp_path, data_source=str(stories), vocab_size=0, lr=0.0,
+                    max_steps=0, max_seconds=1.0, eval_every=0, n_samples=0)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert "vocabulary 2,048, peak lr 0.006, a 1 s time budget" in text
+    assert (summary["max_seconds"], summary["stopped_by"]) == (1.0, "time")
+    cfg = load_checkpoint(tmp_path / "run" / "checkpoint.pt")["config"]
+    assert (cfg["data"]["vocab_size"], cfg["train"]["lr"], cfg["train"]["max_steps"]) == (2048, 6e-3, 0)
 
 
 @pytest.mark.notebook
