@@ -267,11 +267,13 @@ def test_readme_states_the_ranges():
 
 
 @pytest.mark.parametrize("values, line", [
-    (dict(max_steps=0), "parameter max_steps = 0 is out of range; allowed: range 1..1000000"),
-    (dict(max_steps=1_000_001), "parameter max_steps = 1000001 is out of range; allowed: range 1..1000000"),
-    (dict(max_steps=2.5), "parameter max_steps = 2.5 is not an integer; allowed: range 1..1000000"),
-    (dict(max_steps=True), "parameter max_steps = True is not an integer; allowed: range 1..1000000"),
-    (dict(lr=2.0), "parameter lr = 2.0 is out of range; allowed: range 1e-06..1"),
+    (dict(max_steps=-1), "parameter max_steps = -1 is out of range; allowed: 0 or range 1..1000000"),
+    (dict(max_steps=1_000_001), "parameter max_steps = 1000001 is out of range; allowed: 0 or range 1..1000000"),
+    (dict(max_steps=2.5), "parameter max_steps = 2.5 is not an integer; allowed: 0 or range 1..1000000"),
+    (dict(max_steps=True), "parameter max_steps = True is not an integer; allowed: 0 or range 1..1000000"),
+    (dict(lr=2.0), "parameter lr = 2.0 is out of range; allowed: 0 or range 1e-06..1"),
+    (dict(max_seconds=0.5), "parameter max_seconds = 0.5 is out of range; allowed: 0 or range 1..86400"),
+    (dict(vocab_size=65537), "parameter vocab_size = 65537 is out of range; allowed: 0 or range 258..65536"),
     (dict(max_stories=1), "parameter max_stories = 1 is out of range; allowed: 0 or range 2..10000000"),
     (dict(backend="gpu"), "parameter backend = 'gpu' is not allowed; allowed: one of auto | reference | cpu | triton"),
     (dict(micro_batch=3, effective_batch=16),
@@ -341,7 +343,7 @@ def test_smallest_allowed_values_run_to_the_end(name, tmp_path):
 # One value outside its range per notebook, and the exact line it stops with.
 OUT_OF_RANGE = {
     "00_selective_scan_kernels": ("seq_len", 0, "parameter seq_len = 0 is out of range; allowed: range 1..8192"),
-    "01_train_tinystories": ("max_steps", 0, "parameter max_steps = 0 is out of range; allowed: range 1..1000000"),
+    "01_train_tinystories": ("max_steps", -1, "parameter max_steps = -1 is out of range; allowed: 0 or range 1..1000000"),
     "02_autotuning": ("candidates", "0,2", "parameter candidates = '0,2' holds 0, which is out of range; allowed: "
                                            "comma-separated, 1 to 16 values, each range 1..256"),
     "03_memory_leak_reproduction": ("leak", "none", "parameter leak = 'none' is not allowed; allowed: one of "
