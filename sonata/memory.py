@@ -103,11 +103,21 @@ def release_free_memory(device: torch.device | None = None) -> None:
     gc.collect()
     if device is not None and device.type == "cuda":
         torch.cuda.empty_cache()
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _glibc():
+    """The process's glibc through ctypes (malloc_trim, mallopt), or None where the C
+    library is not glibc."""
     try:
         import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):      # not glibc: nothing to do
-        pass
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim, libc.mallopt      # noqa: B018 - both exist only in glibc
+        return libc
+    except (OSError, AttributeError):
+        return None
 
 
 # glibc mallopt parameters (malloc.h): M_TRIM_THRESHOLD, M_MMAP_THRESHOLD
@@ -128,13 +138,10 @@ def steady_cpu_heap() -> bool:
     global _heap_steadied
     if _heap_steadied:
         return True
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20) == 1
-    except (OSError, AttributeError):      # not glibc
+    libc = _glibc()
+    if libc is None:
         return False
-    _heap_steadied = bool(ok)
+    _heap_steadied = libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20) == 1
     return _heap_steadied
 
 

@@ -618,11 +618,12 @@ def _empty_like_layout(t: torch.Tensor, shape, ct: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=ct)
 
 
-def _optional(t, ct, shape, activation=False):
-    """Array for an optional input: the tensor's data, or zeros / a dummy when it is None."""
+def _optional(t, ct, shape, convert=_np):
+    """Array for an optional input: `convert(t, ct)` (`_np`, or `_activation` for a (batch, dim,
+    L) activation), or zeros / a dummy of `shape` when it is None."""
     if t is None:
         return np.zeros(shape, dtype=np.float64 if ct == torch.float64 else np.float32)
-    return _activation(t, ct) if activation else _np(t, ct)
+    return convert(t, ct)
 
 
 def _n_groups(batch: int, dim: int) -> int:
@@ -643,7 +644,7 @@ def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus):
     last_state = torch.empty((batch, dim, N), dtype=ct)
     ckpt = torch.empty((batch, dim, n_chunks, N), dtype=ct)
     _forward_kernel(_activation(u, ct), _activation(delta, ct), _np(A, ct), _transposed(B, ct),
-                    _transposed(C, ct), _optional(D, ct, (dim,)), _optional(z, ct, (1, 1, 1), True),
+                    _transposed(C, ct), _optional(D, ct, (dim,)), _optional(z, ct, (1, 1, 1), _activation),
                     _optional(delta_bias, ct, (dim,)), bool(delta_softplus), z is not None, chunk,
                     n_workers, out.numpy(), last_state.numpy(), ckpt.numpy())
     return out.to(u.dtype), last_state, (ckpt, torch.tensor(chunk))
@@ -665,9 +666,9 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
     dC = _empty_like_layout(C, (batch, N, L), ct)
     dD = torch.empty((dim,), dtype=ct)
     ddb = torch.empty((dim,), dtype=ct)
-    _backward_kernel(_optional(dout, ct, (batch, dim, L), True), _optional(dlast, ct, (batch, dim, N)),
+    _backward_kernel(_optional(dout, ct, (batch, dim, L), _activation), _optional(dlast, ct, (batch, dim, N)),
                      _activation(u, ct), _activation(delta, ct), _np(A, ct), _transposed(B, ct),
-                     _transposed(C, ct), _optional(D, ct, (dim,)), _optional(z, ct, (1, 1, 1), True),
+                     _transposed(C, ct), _optional(D, ct, (dim,)), _optional(z, ct, (1, 1, 1), _activation),
                      _optional(delta_bias, ct, (dim,)), bool(delta_softplus), z is not None,
                      int(chunk), _np(ckpt, ct), _n_groups(batch, dim), n_workers,
                      du.numpy(), ddelta.numpy(), dz.numpy(), dA.numpy(), dB.numpy(), dC.numpy(),
