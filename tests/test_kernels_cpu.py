@@ -314,6 +314,45 @@ def test_time_major_strided_inputs(nan_empty):
         torch.testing.assert_close(grad, g0[name], rtol=2e-6, atol=1e-7, msg=f"d{name} (seed={seed})")
 
 
+# ----------------------------------------------------------------------------- exp, softplus
+
+def test_polynomial_exp_and_softplus_against_float64():
+    """The kernels' vectorizable float32 exp and softplus (sonata/kernels/cpu.py) against numpy's
+    float64 versions: exp within 1 ulp wherever the result is a normal float32 above its flush
+    threshold (exp(-86.9)), 0 below it, inf where float32 overflows, NaN for NaN; softplus within
+    3 ulp (or 2e-38 where the exp flushes), and x itself above 20 (torch's threshold)."""
+    import numba
+    import numpy as np
+
+    @numba.njit
+    def apply(x, out_exp, out_sp):
+        for i in range(x.size):
+            out_exp[i] = cpu._exp_f32(x[i])
+            out_sp[i] = cpu._softplus_f32(x[i])
+
+    edges = [-np.inf, np.inf, -88.0, -87.0, -86.9, -86.89, 0.0, -0.0, 1e-30, 20.0, 20.001,
+             88.72, 88.7228, 88.73, 89.0, 1e30, -1e30]
+    x = np.concatenate([np.linspace(-100, 100, 400_001, dtype=np.float32), np.float32(edges),
+                        np.float32([np.nan])])
+    got_exp, got_sp = np.empty_like(x), np.empty_like(x)
+    apply(x, got_exp, got_sp)
+    x64 = x.astype(np.float64)
+    with np.errstate(over="ignore"):
+        ref = np.exp(x64)
+        normal = (x >= np.float32(-86.9)) & (ref < np.finfo(np.float32).max)
+        ulp = np.spacing(ref[normal].astype(np.float32)).astype(np.float64)
+    assert (np.abs(got_exp[normal] - ref[normal]) / ulp).max() <= 1.0
+    assert np.all(got_exp[x < np.float32(-86.9)] == 0)
+    assert np.all(np.isposinf(got_exp[~np.isnan(x) & (ref >= np.finfo(np.float32).max)]))
+    assert np.isnan(got_exp[-1]) and np.isnan(got_sp[-1])
+    finite = np.isfinite(x64)
+    sp_ref = np.where(x64 > 20, x64, np.logaddexp(0.0, np.where(finite, x64, 0.0)))[finite]
+    sp_ulp = np.spacing(sp_ref.astype(np.float32)).astype(np.float64)
+    # 3 ulp, or the exp's flush (softplus(x) = exp(x) to float32 precision far below 0)
+    assert np.all(np.abs(got_sp[finite] - sp_ref) <= 3 * sp_ulp + 2e-38)
+    assert np.all(got_sp[x > 20] == x[x > 20])
+
+
 # ----------------------------------------------------------------------------- RMSNorm
 
 @pytest.mark.parametrize("shape", [(3, 70, 96), (5, 33), (1, 1, 7)])
