@@ -37,6 +37,24 @@ class RMSNormFn(torch.autograd.Function):
         return None, dx, dw, None
 
 
+class ConvSiluFn(torch.autograd.Function):
+    """u = ConvSiluFn.apply(impl, x, weight, bias): a backend's fused depthwise causal conv + SiLU
+    (conv_silu_forward(x, weight, bias) -> u; conv_silu_backward(du, x, weight, bias) -> (dx,
+    dweight, dbias)). Saves only the input: the backward recomputes the pre-activation."""
+
+    @staticmethod
+    def forward(ctx, impl, x, weight, bias):
+        ctx.impl = impl
+        ctx.save_for_backward(x, weight, bias)
+        return impl.conv_silu_forward(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, du):
+        x, weight, bias = ctx.saved_tensors
+        dx, dw, db = ctx.impl.conv_silu_backward(du, x, weight, bias)
+        return None, dx, dw, db
+
+
 class SelectiveScanFn(torch.autograd.Function):
     """out, last_state = SelectiveScanFn.apply(impl, u, delta, A, B, C, D, z, delta_bias, softplus)."""
 

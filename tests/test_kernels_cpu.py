@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("numba")
 
 from sonata.kernels import cpu  # noqa: E402
-from sonata.kernels import fallback_count, rms_norm, selective_scan, selective_scan_ref  # noqa: E402
+from sonata.kernels import conv_silu, fallback_count, rms_norm, selective_scan, selective_scan_ref  # noqa: E402
 
 GRAD_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
 
@@ -351,6 +351,83 @@ def test_polynomial_exp_and_softplus_against_float64():
     # 3 ulp, or the exp's flush (softplus(x) = exp(x) to float32 precision far below 0)
     assert np.all(np.abs(got_sp[finite] - sp_ref) <= 3 * sp_ulp + 2e-38)
     assert np.all(got_sp[x > 20] == x[x > 20])
+
+
+# ----------------------------------------------------------------------------- conv + SiLU
+
+def conv_inputs(seed, batch, L, dim, K, bias, dtype=torch.float64):
+    """x as the model passes it: the first `dim` channels of a (batch, L, 2 dim) projection."""
+    g = torch.Generator().manual_seed(seed)
+    xz = torch.randn(batch, L, 2 * dim, generator=g, dtype=dtype)
+    w = torch.randn(dim, 1, K, generator=g, dtype=dtype) * 0.7
+    b = torch.randn(dim, generator=g, dtype=dtype) if bias else None
+    dout = torch.randn(batch, L, dim, generator=g, dtype=torch.float64)
+    return xz, w, b, dout
+
+
+def conv_run(xz, w, b, dout, backend, dtype):
+    """-> (u, dx (of the whole projection), dweight, dbias or None)."""
+    dim = w.shape[0]
+    xz_, w_ = xz.detach().to(dtype).requires_grad_(), w.detach().to(dtype).requires_grad_()
+    b_ = None if b is None else b.detach().to(dtype).requires_grad_()
+    u = conv_silu(xz_[..., :dim], w_, b_, backend=backend)
+    leaves_ = [xz_, w_] + ([] if b is None else [b_])
+    grads = torch.autograd.grad((u.double() * dout).sum(), leaves_)
+    return (u, *grads) + (() if b is not None else (None,))
+
+
+@pytest.mark.parametrize("shape", [(3, 70, 40, 4, True), (2, 2, 17, 4, True), (1, 1, 5, 3, False),
+                                   (2, 9, 33, 1, True), (2, 5, 16, 6, True)],
+                         ids=["K4", "L<K", "L1-no-bias", "K1", "K6"])
+def test_conv_silu_matches_reference(nan_empty, shape):
+    """The fused depthwise conv + SiLU against the float64 reference: output and the gradients of
+    the input, weight and bias, for the usual kernel (K = 4) and the general path (other K),
+    sequences shorter than the kernel and channel counts that are not a multiple of W. The
+    output is the scan's layout: a transposed view of a C-contiguous (batch, dim, L) tensor."""
+    seed = new_seed()
+    batch, L, dim, K, bias = shape
+    xz, w, b, dout = conv_inputs(seed, batch, L, dim, K, bias)
+    got = conv_run(xz, w, b, dout, "cpu", torch.float32)
+    ref = conv_run(xz, w, b, dout, "reference", torch.float64)
+    assert got[0].transpose(1, 2).is_contiguous(), f"seed={seed}"
+    for label, g_, r_ in zip(("out", "dx", "dweight", "dbias"), got, ref):
+        if r_ is None:
+            assert g_ is None, label
+            continue
+        assert g_.dtype == torch.float32, label
+        check_close(label, g_, r_, seed, 1e-4, 2e-5, 2e-5)
+    exact = conv_run(xz, w, b, dout, "cpu", torch.float64)       # float64 kernels: to rounding
+    for label, g_, r_ in zip(("out", "dx", "dweight", "dbias"), exact, ref):
+        if r_ is not None:
+            check_close(label + " (float64)", g_, r_, seed, 1e-12, 1e-12, 1e-12)
+
+
+@pytest.mark.parametrize("K", [4, 3])
+def test_conv_silu_gradcheck_float64(K):
+    """Finite differences through the fused float64 conv + SiLU backward."""
+    seed = new_seed()
+    xz, w, b, _ = conv_inputs(seed, 2, 6, 5, K, True)
+    inputs = tuple(t.detach().requires_grad_() for t in (xz[..., :5], w, b))
+    assert torch.autograd.gradcheck(lambda x, w_, b_: conv_silu(x, w_, b_, backend="cpu"), inputs,
+                                    eps=1e-6, atol=1e-6, rtol=1e-5), f"seed={seed}"
+
+
+def test_conv_silu_deterministic(nan_empty):
+    """Bit-identical output and gradients on repeated calls and for any thread count (the
+    weight and bias gradients are per-sequence partials summed in batch order)."""
+    seed = new_seed()
+    xz, w, b, dout = conv_inputs(seed, 5, 130, 200, 4, True)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n_threads in (threads, threads, 1):
+            torch.set_num_threads(n_threads)
+            results.append(conv_run(xz, w, b, dout, "cpu", torch.float32))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for label, a, b_ in zip(("out", "dx", "dweight", "dbias"), results[0], other):
+            assert torch.equal(a, b_), f"{label} differs (seed={seed})"
 
 
 # ----------------------------------------------------------------------------- RMSNorm

@@ -13,10 +13,9 @@ the reason once per reason. The trainer reports the counter every step.
 
 Around the scan, `rms_norm(x, weight, eps, backend)` (the blocks' RMSNorm: fused in numba
 for the `cpu` backend, PyTorch ops for the others, which is their design and not a fallback;
-`cpu` falling back (no numba, a GPU tensor) counts) and `conv_silu(x, weight, bias)` (the
-model's depthwise causal convolution + SiLU, (batch, L, dim) in and out: PyTorch's conv1d
-for every backend. A fused numba conv + SiLU that read the (batch, L, dim) layout in place
-measured slower than PyTorch's (oneDNN) convolution and was removed.)
+`cpu` falling back (no numba, a GPU tensor) counts) and `conv_silu(x, weight, bias, backend)`
+(the model's depthwise causal convolution + SiLU, (batch, L, dim) in, a view of the scan's
+(batch, dim, L) layout out: fused in numba for `cpu`, PyTorch's conv1d + SiLU otherwise).
 """
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ import warnings
 
 import torch
 
-from sonata.autograd import RMSNormFn, fused_scan
+from sonata.autograd import ConvSiluFn, RMSNormFn, fused_scan
 from sonata.kernels.reference import conv_silu_ref, rms_norm_ref, selective_scan_ref
 
 BACKENDS = ("auto", "reference", "cpu", "triton")
@@ -137,10 +136,13 @@ def rms_norm(x, weight, eps, backend="auto"):
     return rms_norm_ref(x, weight, eps)
 
 
-def conv_silu(x, weight, bias):
+def conv_silu(x, weight, bias, backend="auto"):
     """silu(depthwise causal conv1d(x) + bias): x (batch, L, dim), any strides -> (batch, L, dim)
     (a view of a (batch, dim, L) tensor, the layout the scan reads); weight (dim, 1, K), bias
-    (dim,). PyTorch ops on every backend (see the module docstring)."""
+    (dim,). Fused in numba for the `cpu` backend, PyTorch ops for the others."""
+    impl = _fused_cpu(backend, x)
+    if impl is not None:
+        return ConvSiluFn.apply(impl, x, weight, bias)
     return conv_silu_ref(x, weight, bias)
 
 

@@ -546,6 +546,135 @@ def _backward_kernel(dout, dlast, u, delta, A, Bt, Ct, D, z, delta_bias, softplu
 
 
 
+# --------------------------------------------------------------------------- depthwise conv + SiLU
+
+# The mixer's causal depthwise convolution and SiLU (conv_silu_ref is the oracle):
+#   c[b, d, t] = bias[d] + sum_k w[d, k] x[b, t - K + 1 + k, d]   (x = 0 before t = 0)
+#   u = silu(c), written channel-major (batch, dim, L): the layout the scan reads.
+# x arrives in the model's (batch, L, dim) layout (a slice of in_proj's output, read in place).
+# A work item (one sequence, a block of W channels) copies its channels into rows of a buffer
+# with K - 1 zeros in front, so that every loop over time reads contiguous memory and
+# vectorizes: one expression and one store per step (K = 4, the usual kernel, has its taps
+# written out; other K loop over the taps). The backward recomputes c (cheaper than saving
+# it) and, with dc = dout * silu'(c) (K - 1 zeros after it),
+#   dx[t] = sum_k w[k] dc[t + K - 1 - k],  dw[k] = sum_t dc[t] x[t - K + 1 + k],  db = sum_t dc[t]
+# dw, db as per-sequence partials summed over the batch in order: deterministic, like the scan.
+
+@njit(**_inline)
+def _conv_rows(x, b, d0, nw, K, xb):
+    """xb[v, K - 1 + t] = x[b, t, d0 + v] for v < nw, with K - 1 zeros in front."""
+    zero = xb.dtype.type(0)
+    for v in range(nw):
+        for i in range(K - 1):
+            xb[v, i] = zero
+    for t in range(x.shape[1]):
+        for v in range(nw):
+            xb[v, K - 1 + t] = x[b, t, d0 + v]
+
+
+@njit(**_inline)
+def _conv_pre(xr, w, d, bias_d, K, t):
+    """c at step t of a channel: bias + sum_k w[d, k] xr[t + k] (xr with K - 1 zeros in front)."""
+    if K == 4:
+        return bias_d + w[d, 0] * xr[t] + w[d, 1] * xr[t + 1] + w[d, 2] * xr[t + 2] + w[d, 3] * xr[t + 3]
+    c = bias_d
+    for k in range(K):
+        c += w[d, k] * xr[t + k]
+    return c
+
+
+@njit(parallel=True, **_vec)
+def _conv_silu_forward_kernel(x, w, bias, n_workers, out):
+    # x: (batch, L, dim) any strides   w: (dim, K)   bias: (dim,)   out: (batch, dim, L)
+    batch, L, dim = x.shape
+    K = w.shape[1]
+    n_blocks = -(-dim // W)
+    one = x.dtype.type(1)
+    queue = np.zeros(1, dtype=np.int64)
+    for _w in prange(n_workers):
+        xb = np.empty((W, L + K - 1), dtype=x.dtype)
+        item = _take(queue)
+        while item < batch * n_blocks:
+            b = item // n_blocks
+            d0 = (item - b * n_blocks) * W
+            nw = min(W, dim - d0)
+            _conv_rows(x, b, d0, nw, K, xb)
+            for v in range(nw):
+                d = d0 + v
+                xr, ur, bias_d = xb[v], out[b, d], bias[d]
+                for t in range(L):
+                    ur[t] = _conv_pre(xr, w, d, bias_d, K, t)
+                for t in range(L):
+                    ur[t] = ur[t] * _sigmoid(ur[t], one)
+            item = _take(queue)
+
+
+@njit(parallel=True, **_vec)
+def _conv_silu_backward_kernel(dout, x, w, bias, n_workers, dx, dw_part, db_part):
+    # dout: (batch, dim, L) C-contiguous   x: (batch, L, dim) any strides   dx: (batch, L, dim)
+    # dw_part: (batch, dim, K)   db_part: (batch, dim)
+    batch, L, dim = x.shape
+    K = w.shape[1]
+    n_blocks = -(-dim // W)
+    one = x.dtype.type(1)
+    zero = x.dtype.type(0)
+    queue = np.zeros(1, dtype=np.int64)
+    for _w in prange(n_workers):
+        xb = np.empty((W, L + K - 1), dtype=x.dtype)
+        gb = np.empty((W, L + K - 1), dtype=x.dtype)     # dc, K - 1 zeros after it
+        dxb = np.empty((W, L), dtype=x.dtype)
+        item = _take(queue)
+        while item < batch * n_blocks:
+            b = item // n_blocks
+            d0 = (item - b * n_blocks) * W
+            nw = min(W, dim - d0)
+            _conv_rows(x, b, d0, nw, K, xb)
+            for v in range(nw):
+                d = d0 + v
+                xr, gr, dr, dxr, bias_d = xb[v], gb[v], dout[b, d], dxb[v], bias[d]
+                for t in range(L):          # c, then dc: two loops vectorize, one did not
+                    gr[t] = _conv_pre(xr, w, d, bias_d, K, t)
+                for t in range(L):
+                    c = gr[t]
+                    sg = _sigmoid(c, one)
+                    gr[t] = dr[t] * (sg * (one + c * (one - sg)))
+                for t in range(L, L + K - 1):
+                    gr[t] = zero
+                s_db = zero
+                for t in range(L):
+                    s_db += gr[t]
+                db_part[b, d] = s_db
+                for k in range(K):
+                    s_dw = zero
+                    for t in range(L):
+                        s_dw += gr[t] * xr[t + k]
+                    dw_part[b, d, k] = s_dw
+                if K == 4:
+                    w0, w1, w2, w3 = w[d, 0], w[d, 1], w[d, 2], w[d, 3]
+                    for t in range(L):
+                        dxr[t] = w3 * gr[t] + w2 * gr[t + 1] + w1 * gr[t + 2] + w0 * gr[t + 3]
+                else:
+                    for t in range(L):
+                        s_dx = zero
+                        for k in range(K):
+                            s_dx += w[d, k] * gr[t + K - 1 - k]
+                        dxr[t] = s_dx
+            for t in range(L):
+                for v in range(nw):
+                    dx[b, t, d0 + v] = dxb[v, t]
+            item = _take(queue)
+
+
+@njit(**_jit)
+def _sum_batch(part, total):
+    """total[j] = part[0, j] + part[1, j] + ... in batch order."""
+    for j in range(total.shape[0]):
+        a = part[0, j]
+        for b in range(1, part.shape[0]):
+            a += part[b, j]
+        total[j] = a
+
+
 # --------------------------------------------------------------------------- RMSNorm
 
 # RMSNorm over the last dimension of the residual stream, rows = batch * L:
@@ -680,6 +809,42 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
             None if D is None else dD.to(D.dtype),
             None if z is None else dz.to(z.dtype),
             None if delta_bias is None else ddb.to(delta_bias.dtype))
+
+
+def conv_silu_forward(x, weight, bias):
+    """x (batch, L, dim), any strides -> u (batch, L, dim) in x's dtype: a transposed view of a
+    C-contiguous (batch, dim, L) tensor (the layout the scan reads). weight (dim, 1, K) or
+    (dim, K); bias (dim,) or None."""
+    n_workers = _set_threads()
+    ct = compute_dtype(x.dtype)
+    batch, L, dim = x.shape
+    out = torch.empty((batch, dim, L), dtype=ct)
+    _conv_silu_forward_kernel(_np(x, ct), _np(weight.reshape(dim, -1), ct), _optional(bias, ct, (dim,)),
+                              n_workers, out.numpy())
+    return out.to(x.dtype).transpose(1, 2)
+
+
+def conv_silu_backward(dout, x, weight, bias):
+    """dout (batch, L, dim) -> (dx (batch, L, dim) in x's dtype, dweight like weight, dbias like
+    bias or None)."""
+    n_workers = _set_threads()
+    ct = compute_dtype(x.dtype)
+    batch, L, dim = x.shape
+    K = weight.shape[-1]
+    dx = torch.empty((batch, L, dim), dtype=ct)
+    dw_part = torch.empty((batch, dim * K), dtype=ct)
+    db_part = torch.empty((batch, dim), dtype=ct)
+    _conv_silu_backward_kernel(_activation(dout.transpose(1, 2), ct), _np(x, ct),
+                               _np(weight.reshape(dim, K), ct), _optional(bias, ct, (dim,)), n_workers,
+                               dx.numpy(), dw_part.numpy().reshape(batch, dim, K), db_part.numpy())
+    dw = torch.empty(dim * K, dtype=ct)
+    _sum_batch(dw_part.numpy(), dw.numpy())
+    db = None
+    if bias is not None:
+        db = torch.empty(dim, dtype=ct)
+        _sum_batch(db_part.numpy(), db.numpy())
+        db = db.to(bias.dtype)
+    return dx.to(x.dtype), dw.reshape(weight.shape).to(weight.dtype), db
 
 
 def rms_norm_forward(x, weight, eps):
