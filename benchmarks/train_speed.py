@@ -31,6 +31,7 @@ from validity import validity_table  # noqa: E402
 from sonata.config import ModelConfig  # noqa: E402
 from sonata.kernels import fallback_count, resolve_backend  # noqa: E402
 from sonata.kernels.timing import saved_tensor_bytes, sync  # noqa: E402
+from sonata.memory import steady_cpu_heap  # noqa: E402
 from sonata.model import MambaLM  # noqa: E402
 from sonata.peers import mambapy_lm  # noqa: E402
 
@@ -83,6 +84,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
+    if dev.type == "cpu":
+        steady_cpu_heap()         # as sonata's trainer runs; every model measured with it alike
     names = args.models or (["reference", "cpu", "peer-free", "mambapy"] if dev.type == "cpu"
                             else ["reference", "triton", "peer-free", "mambapy"])
     print(hardware_line(dev))
