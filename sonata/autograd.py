@@ -38,21 +38,22 @@ class RMSNormFn(torch.autograd.Function):
 
 
 class ConvSiluFn(torch.autograd.Function):
-    """u = ConvSiluFn.apply(impl, x, weight, bias): a backend's fused depthwise causal conv + SiLU
-    (conv_silu_forward(x, weight, bias) -> u; conv_silu_backward(du, x, weight, bias) -> (dx,
-    dweight, dbias)). Saves only the input: the backward recomputes the pre-activation."""
+    """u, z = ConvSiluFn.apply(impl, xz, weight, bias): a backend's fused depthwise causal conv +
+    SiLU of xz's first half and the gate z (its second half), both in the scan's layout
+    (conv_silu_forward(xz, weight, bias) -> (u, z); conv_silu_backward(du, dz, xz, weight, bias)
+    -> (dxz, dweight, dbias)). Saves only the input: the backward recomputes the pre-activation."""
 
     @staticmethod
-    def forward(ctx, impl, x, weight, bias):
+    def forward(ctx, impl, xz, weight, bias):
         ctx.impl = impl
-        ctx.save_for_backward(x, weight, bias)
-        return impl.conv_silu_forward(x, weight, bias)
+        ctx.save_for_backward(xz, weight, bias)
+        return impl.conv_silu_forward(xz, weight, bias)
 
     @staticmethod
-    def backward(ctx, du):
-        x, weight, bias = ctx.saved_tensors
-        dx, dw, db = ctx.impl.conv_silu_backward(du, x, weight, bias)
-        return None, dx, dw, db
+    def backward(ctx, du, dz):
+        xz, weight, bias = ctx.saved_tensors
+        dxz, dw, db = ctx.impl.conv_silu_backward(du, dz, xz, weight, bias)
+        return None, dxz, dw, db
 
 
 class SelectiveScanFn(torch.autograd.Function):

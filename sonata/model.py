@@ -89,8 +89,8 @@ class MambaMixer(nn.Module):
         # The projections work in (b, L, channels); the convolution and the scan in (b, di, L).
         # Each gets a transposed view of the other's output; the cpu scan copies the views it
         # reads into its layout (cheaper than reading them in place: sonata/kernels/cpu.py).
-        x, z = self.in_proj(h).chunk(2, dim=-1)                         # (b, L, di) views
-        x = conv_silu(x, self.conv1d.weight, self.conv1d.bias, self.cfg.backend)  # (b, L, di) view
+        x, z = conv_silu(self.in_proj(h), self.conv1d.weight, self.conv1d.bias,
+                         self.cfg.backend)                              # (b, L, di) views
         delta, B, C = self._ssm_inputs(x)                               # (b, di, L), (b, n, L) views
         y = selective_scan(x.transpose(1, 2), delta, self.A, B, C, self.D.float(),
                            z=z.transpose(1, 2), delta_bias=self.dt_proj.bias.float(),

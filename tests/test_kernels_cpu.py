@@ -356,58 +356,64 @@ def test_polynomial_exp_and_softplus_against_float64():
 # ----------------------------------------------------------------------------- conv + SiLU
 
 def conv_inputs(seed, batch, L, dim, K, bias, dtype=torch.float64):
-    """x as the model passes it: the first `dim` channels of a (batch, L, 2 dim) projection."""
+    """xz as the model passes it: a (batch, L, 2 dim) projection, conv input then gate."""
     g = torch.Generator().manual_seed(seed)
     xz = torch.randn(batch, L, 2 * dim, generator=g, dtype=dtype)
     w = torch.randn(dim, 1, K, generator=g, dtype=dtype) * 0.7
     b = torch.randn(dim, generator=g, dtype=dtype) if bias else None
-    dout = torch.randn(batch, L, dim, generator=g, dtype=torch.float64)
+    dout = torch.randn(batch, L, 2 * dim, generator=g, dtype=torch.float64)   # for u, then z
     return xz, w, b, dout
 
 
 def conv_run(xz, w, b, dout, backend, dtype):
-    """-> (u, dx (of the whole projection), dweight, dbias or None)."""
+    """-> (u, z, dxz, dweight, dbias or None)."""
     dim = w.shape[0]
     xz_, w_ = xz.detach().to(dtype).requires_grad_(), w.detach().to(dtype).requires_grad_()
     b_ = None if b is None else b.detach().to(dtype).requires_grad_()
-    u = conv_silu(xz_[..., :dim], w_, b_, backend=backend)
+    u, z = conv_silu(xz_, w_, b_, backend=backend)
     leaves_ = [xz_, w_] + ([] if b is None else [b_])
-    grads = torch.autograd.grad((u.double() * dout).sum(), leaves_)
-    return (u, *grads) + (() if b is not None else (None,))
+    loss = (u.double() * dout[..., :dim]).sum() + (z.double() * dout[..., dim:]).sum()
+    grads = torch.autograd.grad(loss, leaves_)
+    return (u, z, *grads) + (() if b is not None else (None,))
+
+
+CONV_NAMES = ("u", "z", "dxz", "dweight", "dbias")
 
 
 @pytest.mark.parametrize("shape", [(3, 70, 40, 4, True), (2, 2, 17, 4, True), (1, 1, 5, 3, False),
                                    (2, 9, 33, 1, True), (2, 5, 16, 6, True)],
                          ids=["K4", "L<K", "L1-no-bias", "K1", "K6"])
 def test_conv_silu_matches_reference(nan_empty, shape):
-    """The fused depthwise conv + SiLU against the float64 reference: output and the gradients of
-    the input, weight and bias, for the usual kernel (K = 4) and the general path (other K),
-    sequences shorter than the kernel and channel counts that are not a multiple of W. The
-    output is the scan's layout: a transposed view of a C-contiguous (batch, dim, L) tensor."""
+    """The fused depthwise conv + SiLU and gate split against the float64 reference: u, z and
+    the gradients of the projection output (both halves), weight and bias, for the usual kernel
+    (K = 4) and the general path (other K), sequences shorter than the kernel and channel
+    counts that are not a multiple of W. u and z come back in the scan's layout: transposed
+    views of C-contiguous (batch, dim, L) tensors."""
     seed = new_seed()
     batch, L, dim, K, bias = shape
     xz, w, b, dout = conv_inputs(seed, batch, L, dim, K, bias)
     got = conv_run(xz, w, b, dout, "cpu", torch.float32)
     ref = conv_run(xz, w, b, dout, "reference", torch.float64)
-    assert got[0].transpose(1, 2).is_contiguous(), f"seed={seed}"
-    for label, g_, r_ in zip(("out", "dx", "dweight", "dbias"), got, ref):
+    assert got[0].transpose(1, 2).is_contiguous() and got[1].transpose(1, 2).is_contiguous(), f"seed={seed}"
+    assert torch.equal(got[1].double(), ref[1].float().double()), f"z is a copy (seed={seed})"
+    for label, g_, r_ in zip(CONV_NAMES, got, ref):
         if r_ is None:
             assert g_ is None, label
             continue
         assert g_.dtype == torch.float32, label
         check_close(label, g_, r_, seed, 1e-4, 2e-5, 2e-5)
     exact = conv_run(xz, w, b, dout, "cpu", torch.float64)       # float64 kernels: to rounding
-    for label, g_, r_ in zip(("out", "dx", "dweight", "dbias"), exact, ref):
+    for label, g_, r_ in zip(CONV_NAMES, exact, ref):
         if r_ is not None:
             check_close(label + " (float64)", g_, r_, seed, 1e-12, 1e-12, 1e-12)
 
 
 @pytest.mark.parametrize("K", [4, 3])
 def test_conv_silu_gradcheck_float64(K):
-    """Finite differences through the fused float64 conv + SiLU backward."""
+    """Finite differences through the fused float64 conv + SiLU and gate backward."""
     seed = new_seed()
     xz, w, b, _ = conv_inputs(seed, 2, 6, 5, K, True)
-    inputs = tuple(t.detach().requires_grad_() for t in (xz[..., :5], w, b))
+    inputs = tuple(t.detach().requires_grad_() for t in (xz, w, b))
     assert torch.autograd.gradcheck(lambda x, w_, b_: conv_silu(x, w_, b_, backend="cpu"), inputs,
                                     eps=1e-6, atol=1e-6, rtol=1e-5), f"seed={seed}"
 
@@ -426,7 +432,7 @@ def test_conv_silu_deterministic(nan_empty):
     finally:
         torch.set_num_threads(threads)
     for other in results[1:]:
-        for label, a, b_ in zip(("out", "dx", "dweight", "dbias"), results[0], other):
+        for label, a, b_ in zip(CONV_NAMES, results[0], other):
             assert torch.equal(a, b_), f"{label} differs (seed={seed})"
 
 

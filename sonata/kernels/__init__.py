@@ -13,9 +13,10 @@ the reason once per reason. The trainer reports the counter every step.
 
 Around the scan, `rms_norm(x, weight, eps, backend)` (the blocks' RMSNorm: fused in numba
 for the `cpu` backend, PyTorch ops for the others, which is their design and not a fallback;
-`cpu` falling back (no numba, a GPU tensor) counts) and `conv_silu(x, weight, bias, backend)`
-(the model's depthwise causal convolution + SiLU, (batch, L, dim) in, a view of the scan's
-(batch, dim, L) layout out: fused in numba for `cpu`, PyTorch's conv1d + SiLU otherwise).
+`cpu` falling back (no numba, a GPU tensor) counts) and `conv_silu(xz, weight, bias, backend)`
+(the model's depthwise causal convolution + SiLU of in_proj's first half, and its second half,
+the gate, both handed on in the scan's (batch, dim, L) layout: fused in numba for `cpu`,
+PyTorch's conv1d + SiLU otherwise).
 """
 from __future__ import annotations
 
@@ -136,14 +137,19 @@ def rms_norm(x, weight, eps, backend="auto"):
     return rms_norm_ref(x, weight, eps)
 
 
-def conv_silu(x, weight, bias, backend="auto"):
-    """silu(depthwise causal conv1d(x) + bias): x (batch, L, dim), any strides -> (batch, L, dim)
-    (a view of a (batch, dim, L) tensor, the layout the scan reads); weight (dim, 1, K), bias
-    (dim,). Fused in numba for the `cpu` backend, PyTorch ops for the others."""
-    impl = _fused_cpu(backend, x)
+def conv_silu(xz, weight, bias, backend="auto"):
+    """The mixer's convolution and gate split: xz (batch, L, 2 dim), in_proj's output, any
+    strides -> (u, z), each (batch, L, dim): u = silu(depthwise causal conv1d(xz[..., :dim]) +
+    bias), a transposed view of a C-contiguous (batch, dim, L) tensor (the layout the scan
+    reads), and the gate z = xz[..., dim:]. weight (dim, 1, K), bias (dim,). Fused in numba for
+    the `cpu` backend (z comes back moved into u's layout, and the backward writes the whole
+    projection's gradient at once), PyTorch ops for the others (z a view of xz)."""
+    impl = _fused_cpu(backend, xz)
     if impl is not None:
-        return ConvSiluFn.apply(impl, x, weight, bias)
-    return conv_silu_ref(x, weight, bias)
+        u, z = ConvSiluFn.apply(impl, xz, weight, bias)
+        return u.transpose(1, 2), z.transpose(1, 2)
+    dim = weight.shape[0]
+    return conv_silu_ref(xz[..., :dim], weight, bias), xz[..., dim:]
 
 
 __all__ = ["selective_scan", "selective_scan_ref", "conv_silu", "conv_silu_ref",

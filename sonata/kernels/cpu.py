@@ -559,6 +559,9 @@ def _backward_kernel(dout, dlast, u, delta, A, Bt, Ct, D, z, delta_bias, softplu
 # it) and, with dc = dout * silu'(c) (K - 1 zeros after it),
 #   dx[t] = sum_k w[k] dc[t + K - 1 - k],  dw[k] = sum_t dc[t] x[t - K + 1 + k],  db = sum_t dc[t]
 # dw, db as per-sequence partials summed over the batch in order: deterministic, like the scan.
+# The same work items move the gate z (the other half of in_proj's output) into the scan's
+# layout, and in the backward write dz back beside dx: the gradient of the whole projection
+# output comes out of one kernel (no torch.cat of the halves, no transposed copies of z).
 
 @njit(**_inline)
 def _conv_rows(x, b, d0, nw, K, xb):
@@ -584,8 +587,8 @@ def _conv_pre(xr, w, d, bias_d, K, t):
 
 
 @njit(parallel=True, **_vec)
-def _conv_silu_forward_kernel(x, w, bias, n_workers, out):
-    # x: (batch, L, dim) any strides   w: (dim, K)   bias: (dim,)   out: (batch, dim, L)
+def _conv_silu_forward_kernel(x, z, w, bias, n_workers, out, zout):
+    # x, z: (batch, L, dim) any strides   w: (dim, K)   bias: (dim,)   out, zout: (batch, dim, L)
     batch, L, dim = x.shape
     K = w.shape[1]
     n_blocks = -(-dim // W)
@@ -606,12 +609,15 @@ def _conv_silu_forward_kernel(x, w, bias, n_workers, out):
                     ur[t] = _conv_pre(xr, w, d, bias_d, K, t)
                 for t in range(L):
                     ur[t] = ur[t] * _sigmoid(ur[t], one)
+            for t in range(L):
+                for v in range(nw):
+                    zout[b, d0 + v, t] = z[b, t, d0 + v]
             item = _take(queue)
 
 
 @njit(parallel=True, **_vec)
-def _conv_silu_backward_kernel(dout, x, w, bias, n_workers, dx, dw_part, db_part):
-    # dout: (batch, dim, L) C-contiguous   x: (batch, L, dim) any strides   dx: (batch, L, dim)
+def _conv_silu_backward_kernel(dout, dz, x, w, bias, n_workers, dx, dzx, dw_part, db_part):
+    # dout, dz: (batch, dim, L) C-contiguous   x, dx, dzx: (batch, L, dim) any strides
     # dw_part: (batch, dim, K)   db_part: (batch, dim)
     batch, L, dim = x.shape
     K = w.shape[1]
@@ -662,6 +668,8 @@ def _conv_silu_backward_kernel(dout, x, w, bias, n_workers, dx, dw_part, db_part
             for t in range(L):
                 for v in range(nw):
                     dx[b, t, d0 + v] = dxb[v, t]
+                for v in range(nw):
+                    dzx[b, t, d0 + v] = dz[b, d0 + v, t]
             item = _take(queue)
 
 
@@ -811,32 +819,34 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
             None if delta_bias is None else ddb.to(delta_bias.dtype))
 
 
-def conv_silu_forward(x, weight, bias):
-    """x (batch, L, dim), any strides -> u (batch, L, dim) in x's dtype: a transposed view of a
-    C-contiguous (batch, dim, L) tensor (the layout the scan reads). weight (dim, 1, K) or
-    (dim, K); bias (dim,) or None."""
+def conv_silu_forward(xz, weight, bias):
+    """xz (batch, L, 2 dim), any strides (in_proj's output) -> (u, z), each (batch, dim, L)
+    C-contiguous in xz's dtype: u = silu(depthwise causal conv of xz[..., :dim] + bias), z =
+    xz[..., dim:] moved into the same layout. weight (dim, 1, K) or (dim, K); bias (dim,) or None."""
     n_workers = _set_threads()
-    ct = compute_dtype(x.dtype)
-    batch, L, dim = x.shape
+    ct = compute_dtype(xz.dtype)
+    batch, L, dim = xz.shape[0], xz.shape[1], weight.shape[0]
     out = torch.empty((batch, dim, L), dtype=ct)
-    _conv_silu_forward_kernel(_np(x, ct), _np(weight.reshape(dim, -1), ct), _optional(bias, ct, (dim,)),
-                              n_workers, out.numpy())
-    return out.to(x.dtype).transpose(1, 2)
+    zout = torch.empty((batch, dim, L), dtype=ct)
+    _conv_silu_forward_kernel(_np(xz[..., :dim], ct), _np(xz[..., dim:], ct), _np(weight.reshape(dim, -1), ct),
+                              _optional(bias, ct, (dim,)), n_workers, out.numpy(), zout.numpy())
+    return out.to(xz.dtype), zout.to(xz.dtype)
 
 
-def conv_silu_backward(dout, x, weight, bias):
-    """dout (batch, L, dim) -> (dx (batch, L, dim) in x's dtype, dweight like weight, dbias like
-    bias or None)."""
+def conv_silu_backward(du, dz, xz, weight, bias):
+    """du, dz (batch, dim, L) -> (dxz (batch, L, 2 dim) in xz's dtype, dweight like weight, dbias
+    like bias or None)."""
     n_workers = _set_threads()
-    ct = compute_dtype(x.dtype)
-    batch, L, dim = x.shape
+    ct = compute_dtype(xz.dtype)
+    batch, L, dim = xz.shape[0], xz.shape[1], weight.shape[0]
     K = weight.shape[-1]
-    dx = torch.empty((batch, L, dim), dtype=ct)
+    dxz = torch.empty((batch, L, 2 * dim), dtype=ct)
     dw_part = torch.empty((batch, dim * K), dtype=ct)
     db_part = torch.empty((batch, dim), dtype=ct)
-    _conv_silu_backward_kernel(_activation(dout.transpose(1, 2), ct), _np(x, ct),
+    _conv_silu_backward_kernel(_activation(du, ct), _activation(dz, ct), _np(xz[..., :dim], ct),
                                _np(weight.reshape(dim, K), ct), _optional(bias, ct, (dim,)), n_workers,
-                               dx.numpy(), dw_part.numpy().reshape(batch, dim, K), db_part.numpy())
+                               dxz[..., :dim].numpy(), dxz[..., dim:].numpy(),
+                               dw_part.numpy().reshape(batch, dim, K), db_part.numpy())
     dw = torch.empty(dim * K, dtype=ct)
     _sum_batch(dw_part.numpy(), dw.numpy())
     db = None
@@ -844,7 +854,7 @@ def conv_silu_backward(dout, x, weight, bias):
         db = torch.empty(dim, dtype=ct)
         _sum_batch(db_part.numpy(), db.numpy())
         db = db.to(bias.dtype)
-    return dx.to(x.dtype), dw.reshape(weight.shape).to(weight.dtype), db
+    return dxz.to(xz.dtype), dw.reshape(weight.shape).to(weight.dtype), db
 
 
 def rms_norm_forward(x, weight, eps):
