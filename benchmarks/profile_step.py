@@ -25,6 +25,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import hardware_line, print_table  # noqa: E402
 from train_speed import SEED, SEQ_LEN, build, make_step  # noqa: E402
 
+from sonata.memory import steady_cpu_heap  # noqa: E402
+
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
@@ -54,6 +56,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    steady_cpu_heap()             # as sonata's trainer runs; every model profiled with it alike
     print(hardware_line("cpu"))
     summary = []
     for batch in args.batches:

@@ -277,7 +277,7 @@ TRAIN_DEFAULTS = {
     "embedded": {"data.vocab_size": 512, "train.lr": 3e-3, "train.max_steps": 1500, "train.max_seconds": 0.0},
     "real": {"data.vocab_size": 2048, "train.lr": 6e-3, "train.max_steps": 0, "train.max_seconds": 600.0},
 }
-LENGTH_KEYS = ("train.max_steps", "train.max_seconds")
+_LENGTH_KEYS = ("train.max_steps", "train.max_seconds")
 
 
 def with_train_defaults(overrides: dict) -> dict:
@@ -288,9 +288,8 @@ def with_train_defaults(overrides: dict) -> dict:
     source = overrides.get("data.source", DataConfig.source)
     defaults = dict(TRAIN_DEFAULTS["embedded" if source == "embedded" else "real"])
     given = {k: v for k, v in overrides.items() if not (k in defaults and v == 0)}
-    if any(k in given for k in LENGTH_KEYS):
-        for k in LENGTH_KEYS:
-            defaults[k] = 0 if k == "train.max_steps" else 0.0
+    if any(k in given for k in _LENGTH_KEYS):
+        defaults.update({"train.max_steps": 0, "train.max_seconds": 0.0})
     return {**defaults, **given}
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from sonata.config import TRAIN_DEFAULTS, Config, apply_overrides, describe_length, make_config, with_train_defaults
+from sonata.config import Config, apply_overrides, describe_length, make_config, with_train_defaults
 from sonata.errors import ConfigError
 
 
@@ -26,7 +26,6 @@ def test_train_defaults_follow_the_data(source, vocab, lr, steps, seconds, line)
         assert (cfg.data.vocab_size, cfg.train.lr, cfg.train.max_steps, cfg.train.max_seconds) == \
             (vocab, lr, steps, seconds)
         assert describe_length(cfg) == line
-    assert set(TRAIN_DEFAULTS) == {"embedded", "real"}
 
 
 def test_train_defaults_never_replace_a_value_that_is_set():
