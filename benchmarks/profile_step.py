@@ -23,9 +23,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import hardware_line, print_table  # noqa: E402
-from train_speed import SEED, SEQ_LEN, build, make_step  # noqa: E402
 
 from sonata.memory import steady_cpu_heap  # noqa: E402
+from sonata.studies import STEP_SEED, STEP_SEQ_LEN, step_model, train_step  # noqa: E402
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 
@@ -33,9 +33,9 @@ MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 def profile_model(name: str, batch: int, steps: int, warmup: int):
     """-> (rows of (operator, self CPU us, calls) sorted by time, total self CPU us)."""
     g = torch.Generator().manual_seed(batch)
-    x = torch.randint(0, SEED["vocab_size"], (batch, SEQ_LEN), generator=g)
-    y = torch.randint(0, SEED["vocab_size"], (batch, SEQ_LEN), generator=g)
-    step = make_step(build(name, torch.device("cpu")), x, y)
+    x = torch.randint(0, STEP_SEED["vocab_size"], (batch, STEP_SEQ_LEN), generator=g)
+    y = torch.randint(0, STEP_SEED["vocab_size"], (batch, STEP_SEQ_LEN), generator=g)
+    step = train_step(step_model(name, torch.device("cpu")), x, y)
     for _ in range(warmup):
         step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:

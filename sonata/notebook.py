@@ -124,6 +124,7 @@ RANGES = {
         "seq_len": Range(1, 8192), "seed": SEED,
         "time_sizes": ListOf(OneOf("small", "seed", "seed-b32", "large"), 1, 4),
         "time_repeat": Range(1, 100), "threads": Range(1, 256),
+        "step_batches": ListOf(Range(1, 64), 1, 4), "step_rounds": Range(1, 20), "step_steps": Range(1, 100),
     },
     "01_train_tinystories": {
         "data_source": Text(), **MODEL, "vocab_size": Range(258, 65536, zero=True),   # 0: the data's default

@@ -5,7 +5,10 @@ the sentences around them):
   micro-benchmark, three readings each;
 - `measure_scaling`: 1 against N data-parallel processes at one global batch;
 - `speedrun`: configurations trained under the same time budget, with their
-  validation curves (notebook 07).
+  validation curves (notebook 07);
+- `step_speed`: the seed model's bare training step (forward, loss, backward, AdamW) per
+  scan backend, beside mambapy's model and the scan-free peer, in interleaved rounds
+  (notebook 00 and benchmarks/train_speed.py).
 
 A cell a run was too short to measure holds `too_few_steps`'s words; `sonata.bench.ratio`
 divides two cells, or gives None for such a cell.
@@ -15,16 +18,26 @@ from __future__ import annotations
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sonata.config import make_config
+import torch
+import torch.nn.functional as F
+
+from sonata.config import ModelConfig, make_config
+from sonata.device import sync
 from sonata.errors import DataError
-from sonata.memory import too_few_steps
+from sonata.kernels import fallback_count, resolve_backend
+from sonata.kernels.timing import saved_tensor_bytes
+from sonata.memory import steady_cpu_heap, too_few_steps
+from sonata.model import MambaLM
+from sonata.peers import mambapy_lm
 from sonata.sources import resolve_source
 from sonata.trainer import MEASURE_SKIP, Trainer
 
@@ -209,3 +222,94 @@ def speedrun_conclusion(rows: list[dict], budget_s: float) -> str:
                      f"largest train/validation gap: {gap['configuration']} ({gap['gap']:+.4f} bits per byte, "
                      f"{gap['epochs']:g} epochs)")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the bare training step
+
+STEP_SEED = dict(d_model=96, n_layers=2, d_state=16, vocab_size=512)   # the dossier's model
+STEP_SEQ_LEN = 128
+STEP_PEERS = ("peer-free", "mambapy")    # the columns every model is compared with
+
+
+def step_model(name: str, device="cpu") -> torch.nn.Module:
+    """The seed model, seeded: sonata with scan backend `name`, mambapy's model (`mambapy`), or
+    mambapy's model with its scan replaced by `sonata.peers.free_scan` (`peer-free`: what its
+    step costs when the scan costs nothing)."""
+    torch.manual_seed(0)
+    if name in STEP_PEERS:
+        return mambapy_lm(STEP_SEED["d_model"], STEP_SEED["n_layers"], STEP_SEED["d_state"],
+                          STEP_SEED["vocab_size"], device, scan_free=name == "peer-free")
+    return MambaLM(ModelConfig(backend=name, **STEP_SEED)).to(device)
+
+
+def train_step(model, x, y):
+    """-> step(): one plain training step on the fixed batch (x, y): zero_grad, forward,
+    cross-entropy, backward, AdamW."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    vocab = STEP_SEED["vocab_size"]
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+
+def saved_bytes_per_token(model, x, y) -> float:
+    """Bytes autograd keeps for the backward of one forward + loss, per token (parameters
+    excluded)."""
+    def fwd():
+        return F.cross_entropy(model(x).reshape(-1, STEP_SEED["vocab_size"]), y.reshape(-1))
+    loss, n = saved_tensor_bytes(fwd, exclude=list(model.parameters()))
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return n / x.numel()
+
+
+def step_speed(batches=(8, 32), names=("cpu", "peer-free"), rounds: int = 5, steps: int = 6,
+               warmup: int = 3, device="cpu") -> list[dict]:
+    """Training tokens/s of the seed model per micro-batch and model (`step_model` names), on
+    fixed random batches of STEP_SEQ_LEN tokens. Every model warms up `warmup` steps, then the
+    models take turns, `steps` steps each per round, for `rounds` rounds: the median round is
+    the figure, so the machine's drift hits every model alike. CPU runs keep the trainer's
+    steady heap. One record per (micro-batch, model): `model` (with the backend that really
+    ran when it fell back), `micro_batch`, `tok_per_s`, `range` (slowest and fastest round),
+    `vs_peer_free` / `vs_mambapy` (ratios, None when that peer was not measured),
+    `saved_bytes_per_token`, `fallbacks` (scans that fell back at that micro-batch)."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        steady_cpu_heap()
+    records = []
+    for batch in batches:
+        g = torch.Generator().manual_seed(batch)
+        x = torch.randint(0, STEP_SEED["vocab_size"], (batch, STEP_SEQ_LEN), generator=g).to(dev)
+        y = torch.randint(0, STEP_SEED["vocab_size"], (batch, STEP_SEQ_LEN), generator=g).to(dev)
+        models = {n: step_model(n, dev) for n in names}
+        saved = {n: saved_bytes_per_token(m, x, y) for n, m in models.items()}
+        fns = {n: train_step(m, x, y) for n, m in models.items()}
+        before = fallback_count()
+        for n in names:                          # warm-up: compilation, allocator, caches
+            for _ in range(warmup):
+                fns[n]()
+        per_round = {n: [] for n in names}
+        for _ in range(rounds):                  # interleaved rounds
+            for n in names:
+                sync(dev)
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    fns[n]()
+                sync(dev)
+                per_round[n].append(steps * x.numel() / (time.perf_counter() - t0))
+        fallbacks = fallback_count() - before
+        med = {n: statistics.median(per_round[n]) for n in names}
+        for n in names:
+            ran = n if n in STEP_PEERS else resolve_backend(n, x.float())[0]
+            records.append({
+                "model": n if ran == n else f"{n} (ran {ran})", "micro_batch": batch,
+                "tok_per_s": med[n], "range": (min(per_round[n]), max(per_round[n])),
+                "vs_peer_free": med[n] / med["peer-free"] if "peer-free" in med else None,
+                "vs_mambapy": med[n] / med["mambapy"] if "mambapy" in med else None,
+                "saved_bytes_per_token": saved[n], "fallbacks": fallbacks})
+    return records

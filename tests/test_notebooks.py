@@ -16,7 +16,8 @@ NOTEBOOKS = REPO / "notebooks"
 
 TINY = {
     "00_selective_scan_kernels.ipynb": dict(
-        batch=2, d_inner=5, d_state=4, seq_len=9, time_sizes=["small"], time_repeat=1, threads=1),
+        batch=2, d_inner=5, d_state=4, seq_len=9, time_sizes=["small"], time_repeat=1, threads=1,
+        step_batches=[1], step_rounds=1, step_steps=1),
     "01_train_tinystories.ipynb": dict(
         d_model=32, n_layers=1, d_state=4, vocab_size=300, seq_len=32, max_steps=8,
         micro_batch=4, effective_batch=8, eval_every=4, max_stories=60, n_samples=2,
@@ -114,6 +115,7 @@ def test_notebook_00_checks_every_backend(tmp_path):
     assert '"triton_interpreter": true' in text or "cuda" in text
     html = _html(nb)
     assert "<td>triton</td>" in html and "<td>cpu</td>" in html and "<td>mambapy</td>" in html
+    assert "<td>peer-free</td>" in html and "<td>1.00x</td>" in html     # the training-step table
 
 
 @pytest.mark.notebook
