@@ -567,6 +567,17 @@ def _backward_kernel(dout, dlast, u, delta, A, Bt, Ct, D, z, delta_bias, softplu
 # output comes out of one kernel (no torch.cat of the halves, no transposed copies of z).
 
 @njit(**_inline)
+def _conv_item(item, n_blocks, x, K, xb):
+    """Work item -> (sequence b, first channel d0, channels nw) of its block of W channels,
+    with the block's input rows loaded into xb (`_conv_rows`)."""
+    b = item // n_blocks
+    d0 = (item - b * n_blocks) * W
+    nw = min(W, x.shape[2] - d0)
+    _conv_rows(x, b, d0, nw, K, xb)
+    return b, d0, nw
+
+
+@njit(**_inline)
 def _conv_rows(x, b, d0, nw, K, xb):
     """xb[v, K - 1 + t] = x[b, t, d0 + v] for v < nw, with K - 1 zeros in front."""
     zero = xb.dtype.type(0)
@@ -601,10 +612,7 @@ def _conv_silu_forward_kernel(x, z, w, bias, n_workers, out, zout):
         xb = np.empty((W, L + K - 1), dtype=x.dtype)
         item = _take(queue)
         while item < batch * n_blocks:
-            b = item // n_blocks
-            d0 = (item - b * n_blocks) * W
-            nw = min(W, dim - d0)
-            _conv_rows(x, b, d0, nw, K, xb)
+            b, d0, nw = _conv_item(item, n_blocks, x, K, xb)
             for v in range(nw):
                 d = d0 + v
                 xr, ur, bias_d = xb[v], out[b, d], bias[d]
@@ -634,10 +642,7 @@ def _conv_silu_backward_kernel(dout, dz, x, w, bias, n_workers, dx, dzx, dw_part
         dxb = np.empty((W, L), dtype=x.dtype)
         item = _take(queue)
         while item < batch * n_blocks:
-            b = item // n_blocks
-            d0 = (item - b * n_blocks) * W
-            nw = min(W, dim - d0)
-            _conv_rows(x, b, d0, nw, K, xb)
+            b, d0, nw = _conv_item(item, n_blocks, x, K, xb)
             for v in range(nw):
                 d = d0 + v
                 xr, gr, dr, dxr, bias_d = xb[v], gb[v], dout[b, d], dxb[v], bias[d]
