@@ -87,8 +87,9 @@ class MambaMixer(nn.Module):
 
     def forward(self, h):                                               # h (b, L, d)
         # The projections work in (b, L, channels); the convolution and the scan in (b, di, L).
-        # Each gets a transposed view of the other's output; the cpu scan copies the views it
-        # reads into its layout (cheaper than reading them in place: sonata/kernels/cpu.py).
+        # Each gets a transposed view of the other's output. On the cpu backend the fused conv
+        # hands x and the gate z on already in the scan's layout, and the scan copies the other
+        # views it reads (delta) into it (cheaper than reading them in place: kernels/cpu.py).
         x, z = conv_silu(self.in_proj(h), self.conv1d.weight, self.conv1d.bias,
                          self.cfg.backend)                              # (b, L, di) views
         delta, B, C = self._ssm_inputs(x)                               # (b, di, L), (b, n, L) views
