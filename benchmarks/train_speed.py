@@ -6,8 +6,9 @@ Seed configuration: d_model 96, 2 layers, d_state 16, seq_len 128, vocabulary 51
 fp32. The scan-free peer (`peer-free`) is mambapy's model with its scan replaced by an
 O(batch * L * d_inner) stand-in (sonata.peers.free_scan): what a step costs with the scan
 for free. One training step = forward, cross-entropy, backward, AdamW step. Warm-up
-steps are excluded; models are measured in interleaved rounds and the median round
-is reported, so machine noise hits every column alike. Also: bytes saved for
+steps are excluded; models are measured in interleaved rounds (the order rotating from
+round to round); tokens/s is the median round, and each ratio the median of the ratios
+taken within a round, so the machine's drift between rounds cancels. Also: bytes saved for
 backward per token (activations kept by autograd, parameters excluded), measured
 with torch.autograd.graph.saved_tensors_hooks. Then the same micro-batches through
 sonata's trainer and benchmark harness (benchmarks/validity.py): each figure with its
@@ -60,7 +61,8 @@ def main(argv=None):
     print_table(["model", "micro-batch", "tokens/s (median)", "vs scan-free peer", "vs mambapy",
                  "saved B/token", "tokens/s range"], rows,
                 title=f"training speed, seed config (d_model 96, 2 layers, d_state 16, L {STEP_SEQ_LEN}, "
-                      f"vocab 512, fp32), {args.rounds} interleaved rounds x {args.steps} steps, "
+                      f"vocab 512, fp32), {args.rounds} interleaved rounds x {args.steps} steps (ratios: median "
+                      f"of per-round ratios), "
                       f"{args.warmup} warm-up steps excluded; scan-free peer = mambapy with its scan "
                       f"replaced by sonata.peers.free_scan")
     if not args.no_validity:

@@ -272,15 +272,19 @@ def step_speed(batches=(8, 32), names=("cpu", "peer-free"), rounds: int = 5, ste
                warmup: int = 3, device="cpu") -> list[dict]:
     """Training tokens/s of the seed model per micro-batch and model (`step_model` names), on
     fixed random batches of STEP_SEQ_LEN tokens. Every model warms up `warmup` steps, then the
-    models take turns, `steps` steps each per round, for `rounds` rounds: the median round is
-    the figure, so the machine's drift hits every model alike. CPU runs keep the trainer's
-    steady heap. One record per (micro-batch, model): `model` (with the backend that really
-    ran when it fell back), `micro_batch`, `tok_per_s`, `range` (slowest and fastest round),
-    `vs_peer_free` / `vs_mambapy` (ratios, None when that peer was not measured),
+    models take turns, `steps` steps each per round, for `rounds` rounds, each round starting
+    one model further along (no model always runs first, or right after the same one). The
+    machine's speed drifts by more than the differences measured, so a ratio is taken within
+    each round (models a few seconds apart) and the median of the rounds' ratios is the figure;
+    tokens/s is the median round. CPU runs keep the trainer's steady heap. One record per
+    (micro-batch, model): `model` (with the backend that really ran when it fell back),
+    `micro_batch`, `tok_per_s`, `range` (slowest and fastest round), `vs_peer_free` /
+    `vs_mambapy` (median per-round ratios, None when that peer was not measured),
     `saved_bytes_per_token`, `fallbacks` (scans that fell back at that micro-batch)."""
     dev = torch.device(device)
     if dev.type == "cpu":
         steady_cpu_heap()
+    names = list(names)
     records = []
     for batch in batches:
         g = torch.Generator().manual_seed(batch)
@@ -294,8 +298,9 @@ def step_speed(batches=(8, 32), names=("cpu", "peer-free"), rounds: int = 5, ste
             for _ in range(warmup):
                 fns[n]()
         per_round = {n: [] for n in names}
-        for _ in range(rounds):                  # interleaved rounds
-            for n in names:
+        for r in range(rounds):                  # interleaved rounds, rotating order
+            k = r % len(names)
+            for n in names[k:] + names[:k]:
                 sync(dev)
                 t0 = time.perf_counter()
                 for _ in range(steps):
@@ -303,13 +308,17 @@ def step_speed(batches=(8, 32), names=("cpu", "peer-free"), rounds: int = 5, ste
                 sync(dev)
                 per_round[n].append(steps * x.numel() / (time.perf_counter() - t0))
         fallbacks = fallback_count() - before
-        med = {n: statistics.median(per_round[n]) for n in names}
+
+        def ratio(n, peer):
+            if peer not in per_round:
+                return None
+            return statistics.median(a / b for a, b in zip(per_round[n], per_round[peer]))
         for n in names:
             ran = n if n in STEP_PEERS else resolve_backend(n, x.float())[0]
             records.append({
                 "model": n if ran == n else f"{n} (ran {ran})", "micro_batch": batch,
-                "tok_per_s": med[n], "range": (min(per_round[n]), max(per_round[n])),
-                "vs_peer_free": med[n] / med["peer-free"] if "peer-free" in med else None,
-                "vs_mambapy": med[n] / med["mambapy"] if "mambapy" in med else None,
+                "tok_per_s": statistics.median(per_round[n]),
+                "range": (min(per_round[n]), max(per_round[n])),
+                "vs_peer_free": ratio(n, "peer-free"), "vs_mambapy": ratio(n, "mambapy"),
                 "saved_bytes_per_token": saved[n], "fallbacks": fallbacks})
     return records

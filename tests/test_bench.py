@@ -63,6 +63,36 @@ def test_ratio_divides_two_readings_and_is_none_when_one_is_missing_or_zero():
         assert ratio(a, b) is None, (a, b)
 
 
+def test_step_speed_rotates_the_order_and_takes_each_ratio_within_a_round(monkeypatch):
+    """The training-step study (sonata.studies.step_speed, benchmarks/train_speed.py): every
+    model runs once a round, the first one rotating, and a ratio is the median of the
+    per-round ratios, not the ratio of the median rounds (which the machine's drift between
+    rounds would move). A fake clock gives known step times."""
+    from sonata import studies
+    seconds = {"cpu": [1.0, 2.0, 4.0], "peer-free": [1.0, 1.0, 8.0]}     # per round
+    order, now = [], [0.0]
+
+    def fake_step(name, x, y):
+        def step():
+            order.append(name)
+            now[0] += seconds[name][sum(n == name for n in order) - 1]
+        return step
+    monkeypatch.setattr(studies, "step_model", lambda name, dev: name)
+    monkeypatch.setattr(studies, "train_step", fake_step)
+    monkeypatch.setattr(studies, "saved_bytes_per_token", lambda m, x, y: 7.0)
+    monkeypatch.setattr(studies.time, "perf_counter", lambda: now[0])
+    recs = studies.step_speed((2,), ("cpu", "peer-free"), rounds=3, steps=1, warmup=0)
+    assert order == ["cpu", "peer-free", "peer-free", "cpu", "cpu", "peer-free"]
+    tokens = 2 * studies.STEP_SEQ_LEN
+    cpu, peer = recs
+    assert (cpu["model"], cpu["micro_batch"], peer["model"]) == ("cpu", 2, "peer-free")
+    # per-round ratios 1/1, 1/2, 8/4 -> median 1.0 (the ratio of the median rounds is 0.5)
+    assert cpu["vs_peer_free"] == 1.0 and peer["vs_peer_free"] == 1.0
+    assert cpu["tok_per_s"] == tokens / 2.0 and peer["tok_per_s"] == tokens / 1.0
+    assert cpu["range"] == (tokens / 4.0, tokens / 1.0)
+    assert cpu["vs_mambapy"] is None and cpu["saved_bytes_per_token"] == 7.0
+
+
 def test_cli_bench_json_names_the_leak():
     r = run_cli("bench", "debug.leak=keep_graph", "--json",
                 *tiny_overrides(**LEAKY_SIZE), "--steps", "20")
