@@ -242,15 +242,19 @@ def step_model(name: str, device="cpu") -> torch.nn.Module:
     return MambaLM(ModelConfig(backend=name, **STEP_SEED)).to(device)
 
 
+def _step_loss(model, x, y) -> torch.Tensor:
+    """The forward and cross-entropy of the seed model's step."""
+    return F.cross_entropy(model(x).reshape(-1, STEP_SEED["vocab_size"]), y.reshape(-1))
+
+
 def train_step(model, x, y):
     """-> step(): one plain training step on the fixed batch (x, y): zero_grad, forward,
     cross-entropy, backward, AdamW."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    vocab = STEP_SEED["vocab_size"]
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+        loss = _step_loss(model, x, y)
         loss.backward()
         opt.step()
         return loss
@@ -260,9 +264,7 @@ def train_step(model, x, y):
 def saved_bytes_per_token(model, x, y) -> float:
     """Bytes autograd keeps for the backward of one forward + loss, per token (parameters
     excluded)."""
-    def fwd():
-        return F.cross_entropy(model(x).reshape(-1, STEP_SEED["vocab_size"]), y.reshape(-1))
-    loss, n = saved_tensor_bytes(fwd, exclude=list(model.parameters()))
+    loss, n = saved_tensor_bytes(lambda: _step_loss(model, x, y), exclude=list(model.parameters()))
     loss.backward()
     model.zero_grad(set_to_none=True)
     return n / x.numel()
