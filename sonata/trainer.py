@@ -80,9 +80,10 @@ def continue_in_steps(t, state: dict):
     A budgeted run resumes *in steps*: the resumed run is an ordinary step-based run
     (train.max_seconds 0) whose cosine horizon (train.decay_steps) is the number of
     steps the whole budget reaches at the pace the run had, steps / (fraction of the
-    budget used): for a run that used its budget, the steps it reached (the resumed
-    run trains at the floor), for an interrupted one its steps so far extrapolated
-    to the end of its budget. train.max_steps becomes that horizon (within the budgeted
+    budget used): for a run that used its budget (its last step ran at budget progress
+    1, the checkpoint's `budget_progress`; its measured time may end a little short),
+    the steps it reached (the resumed run trains at the floor), for an interrupted one
+    its steps so far extrapolated to the end of its budget. train.max_steps becomes that horizon (within the budgeted
     run's step cap, if it had one), unless changed on resume. Why steps, not a fresh
     or remaining budget: time is not reproducible, steps are; from the checkpoint on,
     two resumes train identically, and a resumed run's own checkpoints resume like
@@ -96,7 +97,10 @@ def continue_in_steps(t, state: dict):
     steps, used = int(state.get("step", 0)), float(state.get("train_seconds", 0.0))
     if not budget or steps == 0 or used <= 0:
         return t                     # a step-based run, or a budgeted one that spent nothing yet
-    horizon = max(steps, round(steps / min(1.0, used / budget)))
+    if float(state.get("budget_progress", 0.0)) >= 1.0:
+        horizon = steps              # its last step ran at the floor (its time may end a bit short)
+    else:
+        horizon = max(steps, round(steps / min(1.0, used / budget)))
     cap = int(saved.get("max_steps", 0))
     max_steps = t.max_steps if t.max_steps != cap else (min(horizon, cap) if cap else horizon)
     decay = t.decay_steps if t.decay_steps != int(saved.get("decay_steps", 0)) else horizon
@@ -217,6 +221,7 @@ class Trainer:
         self.tokens = 0
         self.train_seconds = 0.0      # time inside optimizer steps, all runs of this model (resumes add)
         self._last_step_s = 0.0       # the last step's time (data parallel: the slowest rank's)
+        self._last_progress = 0.0     # under a budget: the budget fraction the last step ran at
         self._step_s = 0.0            # this rank's time of the last train_step
         self.stopped_by: str | None = None   # after run(): "time" (the budget) or "steps"
         self.counters = {"nonfinite_steps": 0, "scaler_skipped_steps": 0}
@@ -251,7 +256,8 @@ class Trainer:
                 "scheduler": {"kind": "warmup_cosine", "step": self.step},
                 "step": self.step, "micro_step": self.step * self.accumulation * self.world,
                 "world_size": self.world,
-                "tokens": self.tokens, "train_seconds": self.train_seconds, "counters": dict(self.counters),
+                "tokens": self.tokens, "train_seconds": self.train_seconds,
+                "budget_progress": self._last_progress, "counters": dict(self.counters),
                 "consecutive_nonfinite": self._consecutive_nonfinite,
                 "sampler": self.sampler.state_dict(), "rng": rng_state(),
                 "vocab": self.corpus.vocab.state_dict(), "config": self.cfg.to_dict(),
@@ -591,7 +597,7 @@ class Trainer:
         with self.guard.watch(self.step, self._agree if self.world > 1 else None) as watch:
             row = self.train_step()
         if self.cfg.train.max_seconds:
-            row["progress"] = progress
+            row["progress"] = self._last_progress = progress
         row["mem_bytes"], row["step_peak_bytes"] = watch.mem_bytes, watch.peak
         if watch.maxima is None:
             self._count_time(row["step_s"], row)

@@ -176,6 +176,20 @@ def test_continue_in_steps_extrapolates_an_interrupted_budget():
         continue_in_steps(make_config(["train.max_seconds=50"]).train, steps_state)
 
 
+
+def test_continue_in_steps_keeps_a_spent_budget_at_its_steps_even_when_its_time_ended_short():
+    """A run that stopped by time ran its last step at budget progress 1 (the projection: time
+    so far + the previous step's), but its measured time can end short of the budget when
+    that last step was faster than the one before: resumed, it still trains at the floor
+    with its own step count, not one extrapolated past it (seen once in a full-suite run:
+    297 instead of 296 steps)."""
+    cfg = make_config(["train.max_seconds=100", "train.max_steps=0"])
+    short = {"config": cfg.to_dict(), "step": 296, "train_seconds": 99.6}     # 296 / 0.996 -> 297
+    r = continue_in_steps(cfg.train, dict(short, budget_progress=1.0))
+    assert (r.max_seconds, r.decay_steps, r.max_steps) == (0.0, 296, 296)
+    r = continue_in_steps(cfg.train, dict(short, budget_progress=0.97))         # interrupted: extrapolated
+    assert (r.decay_steps, r.max_steps) == (297, 297)
+
 # ---- python -m sonata eval
 
 @pytest.fixture(scope="module")
