@@ -57,27 +57,33 @@ class ConvSiluFn(torch.autograd.Function):
 
 
 class SelectiveScanFn(torch.autograd.Function):
-    """out, last_state = SelectiveScanFn.apply(impl, u, delta, A, B, C, D, z, delta_bias, softplus)."""
+    """out, last_state = SelectiveScanFn.apply(impl, u, delta, A, B, C, D, z, delta_bias, softplus,
+    delta_proj). With `delta_proj` (a backend that takes it: the cpu one), `delta` is the
+    (batch, L, R) input of the delta projection and the kernels project it themselves."""
 
     @staticmethod
-    def forward(ctx, impl, u, delta, A, B, C, D, z, delta_bias, delta_softplus):
-        out, last_state, saved = impl.forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+    def forward(ctx, impl, u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj):
+        proj = {} if delta_proj is None else {"delta_proj": delta_proj}
+        out, last_state, saved = impl.forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, **proj)
         ctx.impl = impl
         ctx.delta_softplus = delta_softplus
-        ctx.n_saved = len(saved)
-        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, *saved)
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, delta_proj, *saved)
         ctx.set_materialize_grads(False)
         return out, last_state
 
     @staticmethod
     def backward(ctx, dout, dlast):
-        u, delta, A, B, C, D, z, delta_bias, *saved = ctx.saved_tensors
+        u, delta, A, B, C, D, z, delta_bias, delta_proj, *saved = ctx.saved_tensors
+        proj = {} if delta_proj is None else {"delta_proj": delta_proj}
         grads = ctx.impl.backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias,
-                                  ctx.delta_softplus, tuple(saved))
-        du, ddelta, dA, dB, dC, dD, dz, ddelta_bias = grads
-        return None, du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, None
+                                  ctx.delta_softplus, tuple(saved), **proj)
+        du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, *ddelta_proj = grads
+        return (None, du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, None,
+                ddelta_proj[0] if ddelta_proj else None)
 
 
-def fused_scan(impl, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
+def fused_scan(impl, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+               delta_proj=None):
     """Run a fused backend with autograd; returns (out, last_state)."""
-    return SelectiveScanFn.apply(impl, u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus))
+    return SelectiveScanFn.apply(impl, u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus),
+                                 delta_proj)

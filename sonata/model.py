@@ -88,14 +88,17 @@ class MambaMixer(nn.Module):
     def forward(self, h):                                               # h (b, L, d)
         # The projections work in (b, L, channels); the convolution and the scan in (b, di, L).
         # Each gets a transposed view of the other's output. On the cpu backend the fused conv
-        # hands x and the gate z on already in the scan's layout, and the scan copies the other
-        # views it reads (delta) into it (cheaper than reading them in place: kernels/cpu.py).
+        # hands x and the gate z on already in the scan's layout, and the scan computes delta
+        # from dt_proj's low-rank input itself (`delta_proj`: no (b, di, L) delta is stored or
+        # transposed); other backends run dt_proj as a matmul first (kernels/__init__.py).
         x, z = conv_silu(self.in_proj(h), self.conv1d.weight, self.conv1d.bias,
                          self.cfg.backend)                              # (b, L, di) views
-        delta, B, C = self._ssm_inputs(x)                               # (b, di, L), (b, n, L) views
-        y = selective_scan(x.transpose(1, 2), delta, self.A, B, C, self.D.float(),
-                           z=z.transpose(1, 2), delta_bias=self.dt_proj.bias.float(),
-                           delta_softplus=True, backend=self.cfg.backend)   # (b, di, L) view
+        r, n = self.cfg.dt_rank_, self.cfg.d_state
+        dt, B, C = self.x_proj(x).split([r, n, n], dim=-1)             # (b, L, r|n|n)
+        y = selective_scan(x.transpose(1, 2), dt, self.A, B.transpose(1, 2), C.transpose(1, 2),
+                           self.D.float(), z=z.transpose(1, 2), delta_bias=self.dt_proj.bias.float(),
+                           delta_softplus=True, backend=self.cfg.backend,
+                           delta_proj=self.dt_proj.weight)              # (b, di, L) view
         return self.out_proj(y.transpose(1, 2))
 
     def empty_state(self, batch: int, device, dtype=torch.float32):

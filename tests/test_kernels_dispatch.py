@@ -65,6 +65,7 @@ def test_missing_numba_falls_back_and_names_the_reason(monkeypatch):
             raise ImportError("No module named 'numba'")
         return real(name, *a, **k)
     monkeypatch.setattr(kernels.importlib, "import_module", fake)
+    monkeypatch.setattr(kernels, "_loaded", {})      # as in a process that never imported it
     assert kernels.resolve_backend("cpu", torch.zeros(1)) == (
         "reference", "cpu backend unavailable (No module named 'numba')")
     before = fallback_count()

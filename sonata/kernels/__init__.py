@@ -1,7 +1,14 @@
 """The selective scan: one entry point, three backends.
 
     selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None,
-                   delta_softplus=False, return_last_state=False, backend="auto")
+                   delta_softplus=False, return_last_state=False, backend="auto",
+                   delta_proj=None)
+
+`delta_proj` (d_inner, R), when given, makes `delta` the (batch, L, R) input of the model's
+delta projection: the scan's delta is (delta @ delta_proj.T).transpose(1, 2). The `cpu`
+kernels compute that product block by block inside the scan (and its gradients in the
+backward), so no (batch, d_inner, L) delta is ever stored or transposed; the other backends
+compute it with a matmul first.
 
 `reference` is plain PyTorch (the oracle, any dtype, autograd through it);
 `cpu` is fused numba kernels; `triton` is fused Triton kernels (CUDA, or CPU
@@ -74,10 +81,18 @@ def use_triton_interpreter_without_gpu() -> bool:
     return triton_interpreter_on()
 
 
+_loaded: dict[str, object] = {}
+
+
 def _load(name: str):
-    """Import a fused backend module, or return the reason it cannot be imported."""
+    """Import a fused backend module, or return the reason it cannot be imported. A module once
+    imported is kept (this runs for every kernel call: import_module costs a few microseconds)."""
+    mod = _loaded.get(name)
+    if mod is not None:
+        return mod, None
     try:
-        return importlib.import_module(f"sonata.kernels.{name}"), None
+        mod = _loaded[name] = importlib.import_module(f"sonata.kernels.{name}")
+        return mod, None
     except ImportError as e:  # numba or triton missing
         return None, f"{name} backend unavailable ({e})"
 
@@ -106,15 +121,17 @@ def resolve_backend(backend: str, u: torch.Tensor) -> tuple[str, str | None]:
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None,
-                   delta_softplus=False, return_last_state=False, backend="auto"):
+                   delta_softplus=False, return_last_state=False, backend="auto", delta_proj=None):
     name, reason = resolve_backend(backend, u)
     if reason is not None:
         _record_fallback(reason)
+    if delta_proj is not None and name != "cpu":
+        delta, delta_proj = (delta @ delta_proj.t()).transpose(1, 2), None
     if name == "reference":
         return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
                                   return_last_state)
     impl, _ = _load(name)
-    out, last_state = fused_scan(impl, u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+    out, last_state = fused_scan(impl, u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj)
     return (out, last_state) if return_last_state else out
 
 

@@ -82,6 +82,7 @@ on first use) and cached on disk (`cache=True`, NUMBA_CACHE_DIR is honoured).
 from __future__ import annotations
 
 import math
+import threading
 
 import numba
 import numpy as np
@@ -263,14 +264,28 @@ def _store_block(buf, x, b, d0, nw, t0, T):
 
 
 @njit(**_inline)
-def _block_dt(delta, u, delta_bias, softplus, b, d0, nw, t0, T, dtb, ub, dtub, dspb, want_dsp):
+def _block_dt(delta, Wb, u, delta_bias, softplus, b, d0, nw, t0, T, dtb, ub, dtub, dspb, want_dsp):
     """Per-step lanes of a block over a chunk: dtb = softplus(delta + bias) (or delta + bias),
     ub = u, dtub = dt * u, dspb = softplus'(delta + bias) if want_dsp and softplus.
+    With a delta projection (Wb (R, W) with R > 0: the block's rows of dt_proj's weight),
+    `delta` is the (batch, L, R) low-rank input and delta = sum_r Wb[r] * delta[b, t, r],
+    summed in the order of r; without (R = 0), `delta` is (batch, dim, L).
     dt, u, dt u are 0 in the lanes past the last channel."""
     zero = dtb.dtype.type(0)
     one = dtb.dtype.type(1)
     twenty = dtb.dtype.type(20)
-    _load_block(delta, b, d0, nw, t0, T, dtb)
+    R = Wb.shape[0]
+    if R > 0:
+        for i in range(T):
+            row = dtb[i]
+            for w in range(W):
+                row[w] = zero
+            for r in range(R):
+                x_r = delta[b, t0 + i, r]
+                for w in range(W):
+                    row[w] += Wb[r, w] * x_r
+    else:
+        _load_block(delta, b, d0, nw, t0, T, dtb)
     _load_block(u, b, d0, nw, t0, T, ub)
     bias = dspb[T]                    # a spare row: the block's delta_bias lanes
     for w in range(W):
@@ -295,23 +310,29 @@ def _block_dt(delta, u, delta_bias, softplus, b, d0, nw, t0, T, dtb, ub, dtub, d
 
 
 @njit(**_inline)
-def _block_params(A, D, d0, nw, Ab, Db):
-    """Ab[n, w] = A[d0 + w, n], Db[w] = D[d0 + w]; 0 past the last channel."""
+def _block_params(A, D, dtw, d0, nw, Ab, Db, Wb):
+    """Ab[n, w] = A[d0 + w, n], Db[w] = D[d0 + w], Wb[r, w] = dtw[d0 + w, r]; 0 past the last
+    channel."""
     zero = Ab.dtype.type(0)
     for w in range(W):
         Db[w] = D[d0 + w] if w < nw else zero
     for n in range(Ab.shape[0]):
         for w in range(W):
             Ab[n, w] = A[d0 + w, n] if w < nw else zero
+    for r in range(Wb.shape[0]):
+        for w in range(W):
+            Wb[r, w] = dtw[d0 + w, r] if w < nw else zero
 
 
 # --------------------------------------------------------------------------- forward
 
 @njit(parallel=True, **_vec)
-def _forward_kernel(u, delta, A, Bt, Ct, D, z, delta_bias, softplus, has_z, chunk, n_workers,
+def _forward_kernel(u, delta, dtw, A, Bt, Ct, D, z, delta_bias, softplus, has_z, chunk, n_workers,
                     out, last_state, ckpt):
-    # u, delta, z: (batch, dim, L)   A: (dim, N)   Bt, Ct: (batch, L, N)   D, delta_bias: (dim,)
-    # out: (batch, dim, L)   last_state: (batch, dim, N)   ckpt: (batch, dim, n_chunks, N)
+    # u, z: (batch, dim, L)   delta: (batch, dim, L), or (batch, L, R) with dtw (dim, R), R > 0
+    # (the delta projection; dtw (dim, 0) without)   A: (dim, N)   Bt, Ct: (batch, L, N)
+    # D, delta_bias: (dim,)   out: (batch, dim, L)   last_state: (batch, dim, N)
+    # ckpt: (batch, dim, n_chunks, N)
     batch, dim, L = u.shape
     N = A.shape[1]
     n_blocks = -(-dim // W)
@@ -322,6 +343,7 @@ def _forward_kernel(u, delta, A, Bt, Ct, D, z, delta_bias, softplus, has_z, chun
         h = np.empty((N, W), dtype=u.dtype)              # the running state, h[n, w]
         Ab = np.empty((N, W), dtype=u.dtype)
         Db = np.empty(W, dtype=u.dtype)
+        Wb = np.empty((dtw.shape[1], W), dtype=u.dtype)
         lanes = np.empty((6, chunk + 1, W), dtype=u.dtype)
         dtb, ub, dtub, yb, zb, spare = lanes[0], lanes[1], lanes[2], lanes[3], lanes[4], lanes[5]
         item = _take(queue)
@@ -330,7 +352,7 @@ def _forward_kernel(u, delta, A, Bt, Ct, D, z, delta_bias, softplus, has_z, chun
             k = item - b * n_blocks
             d0 = k * W
             nw = min(W, dim - d0)
-            _block_params(A, D, d0, nw, Ab, Db)
+            _block_params(A, D, dtw, d0, nw, Ab, Db, Wb)
             h[:] = 0
             for c in range(ckpt.shape[2]):
                 for w in range(nw):
@@ -339,7 +361,7 @@ def _forward_kernel(u, delta, A, Bt, Ct, D, z, delta_bias, softplus, has_z, chun
                 t0 = c * chunk
                 t1 = min(L, t0 + chunk)
                 T = t1 - t0
-                _block_dt(delta, u, delta_bias, softplus, b, d0, nw, t0, T, dtb, ub, dtub,
+                _block_dt(delta, Wb, u, delta_bias, softplus, b, d0, nw, t0, T, dtb, ub, dtub,
                           spare, False)
                 for i in range(T):
                     y = yb[i]
@@ -372,12 +394,14 @@ def _forward_kernel(u, delta, A, Bt, Ct, D, z, delta_bias, softplus, has_z, chun
 # --------------------------------------------------------------------------- backward
 
 @njit(parallel=True, **_jit)
-def _reduce_partials(dA_part, dD_part, ddb_part, dB_part, dC_part, chunk, n_workers,
-                     dA, dD, ddb, dB, dC):
+def _reduce_partials(dA_part, dD_part, ddb_part, dW_part, dB_part, dC_part, dX_part, chunk,
+                     n_workers, dA, dD, ddb, dW, dB, dC, dX):
     """Sum the partials in a fixed order.
     dA_part (batch, dim, N) -> dA (dim, N); dD_part, ddb_part (batch, dim) -> (dim,);
-    dB_part, dC_part (batch, n_groups, L, N) -> dB, dC (batch, N, L)."""
+    dW_part (batch, dim, R) -> dW (dim, R); dB_part, dC_part (batch, n_groups, L, N) -> dB,
+    dC (batch, N, L); dX_part (batch, n_groups, L, R) -> dX (batch, L, R). R may be 0."""
     batch, dim, N = dA_part.shape
+    R = dW_part.shape[2]
     n_groups, L = dB_part.shape[1], dB_part.shape[2]
     n_tiles = -(-L // chunk)
     n_items = dim + batch * n_tiles      # a channel of dA, dD, ddb; or a time tile of dB, dC
@@ -394,6 +418,11 @@ def _reduce_partials(dA_part, dD_part, ddb_part, dB_part, dC_part, chunk, n_work
                     for b in range(1, batch):
                         a += dA_part[b, d, n]
                     dA[d, n] = a
+                for r in range(R):
+                    a = dW_part[0, d, r]
+                    for b in range(1, batch):
+                        a += dW_part[b, d, r]
+                    dW[d, r] = a
                 a_D = dD_part[0, d]
                 a_b = ddb_part[0, d]
                 for b in range(1, batch):
@@ -415,22 +444,33 @@ def _reduce_partials(dA_part, dD_part, ddb_part, dB_part, dC_part, chunk, n_work
                     for n in range(N):
                         dB[b, n, t] = acc_B[n]
                         dC[b, n, t] = acc_C[n]
+                    for r in range(R):
+                        a = dX_part[b, 0, t, r]
+                        for k in range(1, n_groups):
+                            a += dX_part[b, k, t, r]
+                        dX[b, t, r] = a
             item = _take(queue)
 
 
 @njit(parallel=True, **_vec)
-def _backward_kernel(dout, dlast, u, delta, A, Bt, Ct, D, z, delta_bias, softplus, has_z,
+def _backward_kernel(dout, dlast, u, delta, dtw, A, Bt, Ct, D, z, delta_bias, softplus, has_z,
                      chunk, ckpt, n_groups, n_workers,
-                     du, ddelta, dz, dA, dB, dC, dD, ddb):
-    # dout, u, delta, z, du, ddelta, dz: (batch, dim, L)   dlast: (batch, dim, N)
+                     du, ddelta, dz, dA, dB, dC, dD, ddb, dW, dX):
+    # dout, u, z, du, dz: (batch, dim, L)   dlast: (batch, dim, N)
+    # delta, ddelta: (batch, dim, L); or with the delta projection (dtw (dim, R), R > 0) delta is
+    # (batch, L, R), its gradient goes to dX (batch, L, R) and dtw's to dW (dim, R), and
+    # ddelta is not written (with R = 0, dX and dW are not written)
     # A, dA: (dim, N)   Bt, Ct: (batch, L, N)   dB, dC: (batch, N, L)
     # D, delta_bias, dD, ddb: (dim,)   ckpt: (batch, dim, n_chunks, N)
     batch, dim, L = u.shape
     N = A.shape[1]
+    R = dtw.shape[1]
     n_blocks = -(-dim // W)
     one = u.dtype.type(1)
     zero = u.dtype.type(0)
     dA_part = np.empty((batch, dim, N), dtype=u.dtype)
+    dW_part = np.empty((batch, dim, R), dtype=u.dtype)
+    dX_part = np.empty((batch, n_groups, L, R), dtype=u.dtype)
     dD_part = np.empty((batch, dim), dtype=u.dtype)
     ddb_part = np.empty((batch, dim), dtype=u.dtype)
     dB_part = np.empty((batch, n_groups, L, N), dtype=u.dtype)
@@ -441,6 +481,8 @@ def _backward_kernel(dout, dlast, u, delta, A, Bt, Ct, D, z, delta_bias, softplu
         Ab = np.empty((N, W), dtype=u.dtype)
         g = np.empty((N, W), dtype=u.dtype)              # adjoint carry a_{t+1} G_{t+1}
         dAb = np.empty((N, W), dtype=u.dtype)
+        Wb = np.empty((R, W), dtype=u.dtype)
+        dWb = np.empty((R, W), dtype=u.dtype)
         hb = np.empty((chunk + 1, N, W), dtype=u.dtype)   # hb[i + 1] = h_{t0+i}
         ab = np.empty((chunk, N, W), dtype=u.dtype)       # ab[i] = a_{t0+i}
         lanes = np.empty((9, chunk + 1, W), dtype=u.dtype)
@@ -454,13 +496,14 @@ def _backward_kernel(dout, dlast, u, delta, A, Bt, Ct, D, z, delta_bias, softplu
         while item < n_items:
             b = item // n_groups
             k = item - b * n_groups
-            dB_blk, dC_blk = dB_part[b, k], dC_part[b, k]
+            dB_blk, dC_blk, dX_blk = dB_part[b, k], dC_part[b, k], dX_part[b, k]
             dB_blk[:] = 0
             dC_blk[:] = 0
+            dX_blk[:] = 0
             for blk in range(k * n_blocks // n_groups, (k + 1) * n_blocks // n_groups):
                 d0 = blk * W
                 nw = min(W, dim - d0)
-                _block_params(A, D, d0, nw, Ab, Db)
+                _block_params(A, D, dtw, d0, nw, Ab, Db, Wb)
                 for w in range(W):
                     dD_acc[w] = 0
                     ddb_acc[w] = 0
@@ -468,11 +511,12 @@ def _backward_kernel(dout, dlast, u, delta, A, Bt, Ct, D, z, delta_bias, softplu
                     for w in range(W):
                         g[n, w] = dlast[b, d0 + w, n] if w < nw else zero
                         dAb[n, w] = 0
+                dWb[:] = 0
                 for c in range(ckpt.shape[2] - 1, -1, -1):
                     t0 = c * chunk
                     t1 = min(L, t0 + chunk)
                     T = t1 - t0
-                    _block_dt(delta, u, delta_bias, softplus, b, d0, nw, t0, T, dtb, ub, dtub,
+                    _block_dt(delta, Wb, u, delta_bias, softplus, b, d0, nw, t0, T, dtb, ub, dtub,
                               dspb, True)
                     # states and decays from the checkpoint: hb[i + 1] = h_{t0+i}, ab[i] = a_{t0+i}
                     h0 = hb[0]
@@ -538,15 +582,28 @@ def _backward_kernel(dout, dlast, u, delta, A, Bt, Ct, D, z, delta_bias, softplu
                             ddtb[i, w] = ddt
                             ddb_acc[w] += ddt
                     _store_block(dub, du, b, d0, nw, t0, T)
-                    _store_block(ddtb, ddelta, b, d0, nw, t0, T)
+                    if R > 0:     # through the delta projection: dW lane-wise, dX over the lanes
+                        for i in range(T):
+                            for r in range(R):
+                                x_r = delta[b, t0 + i, r]
+                                sX = zero
+                                for w in range(W):
+                                    ddt = ddtb[i, w]
+                                    dWb[r, w] += ddt * x_r
+                                    sX += Wb[r, w] * ddt
+                                dX_blk[t0 + i, r] += sX
+                    else:
+                        _store_block(ddtb, ddelta, b, d0, nw, t0, T)
                 for w in range(nw):
+                    for r in range(R):
+                        dW_part[b, d0 + w, r] = dWb[r, w]
                     for n in range(N):
                         dA_part[b, d0 + w, n] = dAb[n, w]
                     dD_part[b, d0 + w] = dD_acc[w]
                     ddb_part[b, d0 + w] = ddb_acc[w]
             item = _take(queue)
-    _reduce_partials(dA_part, dD_part, ddb_part, dB_part, dC_part, chunk, n_workers,
-                     dA, dD, ddb, dB, dC)
+    _reduce_partials(dA_part, dD_part, ddb_part, dW_part, dB_part, dC_part, dX_part, chunk,
+                     n_workers, dA, dD, ddb, dW, dB, dC, dX)
 
 
 
@@ -730,33 +787,50 @@ def _rms_norm_backward_kernel(dout, x, w, rstd, dx, dw):
 
 # --------------------------------------------------------------------------- torch glue
 
+# The glue below runs once per kernel call, about 20 calls per training step: each torch call
+# in it costs 1-2.5 us, so it takes the cheap path (no .to(), .contiguous() or transpose through
+# torch) when the tensor already is what the kernels read. Measured at the seed model's size,
+# the glue of a step's kernels was about 1.2 ms against 0.5 ms of kernels at the smallest size.
+_threads = threading.local()
+
+
 def _set_threads() -> int:
-    """Use torch's thread count (at most numba's): -> the number of workers."""
+    """Use torch's thread count (at most numba's): -> the number of workers. numba's setting is
+    per calling thread; it is only set again when torch's count changed for this thread."""
     n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    numba.set_num_threads(n)
+    if getattr(_threads, "n", None) != n:
+        numba.set_num_threads(n)
+        _threads.n = n
     return n
 
 
 def _np(t: torch.Tensor, ct: torch.dtype) -> np.ndarray:
     """A numpy view of `t` in dtype `ct`: no copy when `t` already has that dtype, whatever its
-    strides (the small operands)."""
-    t = t.detach().to(ct)
-    if any(s < 0 for s in t.stride()):
-        t = t.contiguous()
-    return t.numpy()
+    strides (torch strides are never negative; numba takes any others)."""
+    return (t if t.dtype == ct else t.to(ct)).detach().numpy()
 
 
 def _activation(t: torch.Tensor, ct: torch.dtype) -> np.ndarray:
     """A (batch, dim, L) activation as the kernels read it: C-contiguous, dtype `ct` (a copy
     when the model stores it otherwise, e.g. as a (batch, L, dim) tensor transposed)."""
-    return t.detach().to(ct).contiguous().numpy()
+    if t.dtype != ct or not t.is_contiguous():
+        t = t.to(ct).contiguous()
+    return t.detach().numpy()
 
 
 def _transposed(t: torch.Tensor, ct: torch.dtype) -> np.ndarray:
     """(batch, N, L) -> (batch, L, N) view: the kernels read B_t[n], C_t[n] for all n at each
     time step. A copy only when its dtype differs, or when n is not its innermost stride."""
-    t = t.detach().to(ct).transpose(1, 2)
-    return (t if t.stride(2) == 1 else t.contiguous()).numpy()
+    a = _np(t, ct).transpose(0, 2, 1)
+    return a if a.strides[2] == a.itemsize else np.ascontiguousarray(a)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype` (itself when it already is: .to() costs a torch call even then)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+_chunk_lengths: dict[int, torch.Tensor] = {}
 
 
 def _empty_like_layout(t: torch.Tensor, shape, ct: torch.dtype) -> torch.Tensor:
@@ -780,9 +854,21 @@ def _n_groups(batch: int, dim: int) -> int:
     return max(1, min(-(-dim // W), -(-WORK_ITEMS // max(batch, 1))))
 
 
-def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus):
+def _delta_args(delta, delta_proj, ct):
+    """(delta array, dt_proj weight array) for the kernels: delta as a (batch, dim, L) activation
+    and a (1, 0) weight; or, with a delta projection, the low-rank (batch, L, R) input and the
+    (dim, R) weight, both C-contiguous (like the plain case's arrays: the kernels compile once
+    for both)."""
+    if delta_proj is None:
+        return _activation(delta, ct), np.zeros((1, 0), dtype=np.float64 if ct == torch.float64 else np.float32)
+    return _activation(delta, ct), _activation(delta_proj, ct)   # C-contiguous: small copies
+
+
+def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj=None):
     """-> (out (batch, dim, L) in u's dtype, last_state (batch, dim, N) in the compute dtype,
-    saved = (checkpoints (batch, dim, n_chunks, N), chunk length as a 0-d tensor))"""
+    saved = (checkpoints (batch, dim, n_chunks, N), chunk length as a 0-d tensor)).
+    With `delta_proj` (dim, R), `delta` is the (batch, L, R) input of the delta projection and
+    the kernels use delta = (delta @ delta_proj.T).transpose(1, 2), computed block by block."""
     n_workers = _set_threads()
     ct = compute_dtype(u.dtype)
     batch, dim, L = u.shape
@@ -792,23 +878,26 @@ def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus):
     out = torch.empty((batch, dim, L), dtype=ct)
     last_state = torch.empty((batch, dim, N), dtype=ct)
     ckpt = torch.empty((batch, dim, n_chunks, N), dtype=ct)
-    _forward_kernel(_activation(u, ct), _activation(delta, ct), _np(A, ct), _transposed(B, ct),
+    _forward_kernel(_activation(u, ct), *_delta_args(delta, delta_proj, ct), _np(A, ct), _transposed(B, ct),
                     _transposed(C, ct), _optional(D, ct, (dim,)), _optional(z, ct, (1, 1, 1), _activation),
                     _optional(delta_bias, ct, (dim,)), bool(delta_softplus), z is not None, chunk,
                     n_workers, out.numpy(), last_state.numpy(), ckpt.numpy())
-    return out.to(u.dtype), last_state, (ckpt, torch.tensor(chunk))
+    return _as(out, u.dtype), last_state, (ckpt, _chunk_lengths.setdefault(chunk, torch.tensor(chunk)))
 
 
-def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, saved):
+def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, saved, delta_proj=None):
     """-> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias), each in its input's dtype
-    (None for a None input among D, z, delta_bias)."""
+    (None for a None input among D, z, delta_bias); with `delta_proj`, ddelta is the gradient
+    of the (batch, L, R) input and d delta_proj follows as a ninth gradient."""
     n_workers = _set_threads()
     ckpt, chunk = saved
     ct = compute_dtype(u.dtype)
     batch, dim, L = u.shape
     N = A.shape[1]
+    R = 0 if delta_proj is None else delta_proj.shape[1]
     du = torch.empty((batch, dim, L), dtype=ct)
-    ddelta = torch.empty((batch, dim, L), dtype=ct)
+    ddelta = torch.empty((batch, dim, L) if R == 0 else (batch, L, R), dtype=ct)
+    dW = torch.empty((dim, R), dtype=ct)
     dz = torch.empty((batch, dim, L) if z is not None else (1, 1, 1), dtype=ct)
     dA = torch.empty((dim, N), dtype=ct)
     dB = _empty_like_layout(B, (batch, N, L), ct)
@@ -816,16 +905,17 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
     dD = torch.empty((dim,), dtype=ct)
     ddb = torch.empty((dim,), dtype=ct)
     _backward_kernel(_optional(dout, ct, (batch, dim, L), _activation), _optional(dlast, ct, (batch, dim, N)),
-                     _activation(u, ct), _activation(delta, ct), _np(A, ct), _transposed(B, ct),
+                     _activation(u, ct), *_delta_args(delta, delta_proj, ct), _np(A, ct), _transposed(B, ct),
                      _transposed(C, ct), _optional(D, ct, (dim,)), _optional(z, ct, (1, 1, 1), _activation),
                      _optional(delta_bias, ct, (dim,)), bool(delta_softplus), z is not None,
                      int(chunk), _np(ckpt, ct), _n_groups(batch, dim), n_workers,
                      du.numpy(), ddelta.numpy(), dz.numpy(), dA.numpy(), dB.numpy(), dC.numpy(),
-                     dD.numpy(), ddb.numpy())
-    return (du.to(u.dtype), ddelta.to(delta.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
-            None if D is None else dD.to(D.dtype),
-            None if z is None else dz.to(z.dtype),
-            None if delta_bias is None else ddb.to(delta_bias.dtype))
+                     dD.numpy(), ddb.numpy(), dW.numpy(), ddelta.numpy() if R else dW.numpy()[None])
+    grads = (_as(du, u.dtype), _as(ddelta, delta.dtype), _as(dA, A.dtype), _as(dB, B.dtype), _as(dC, C.dtype),
+             None if D is None else _as(dD, D.dtype),
+             None if z is None else _as(dz, z.dtype),
+             None if delta_bias is None else _as(ddb, delta_bias.dtype))
+    return grads if delta_proj is None else grads + (_as(dW, delta_proj.dtype),)
 
 
 def conv_silu_forward(xz, weight, bias):
@@ -840,7 +930,7 @@ def conv_silu_forward(xz, weight, bias):
     _conv_silu_forward_kernel(_np(xz[..., :dim], ct), _np(xz[..., dim:], ct),
                               _np(weight.reshape(dim, -1), ct), _optional(bias, ct, (dim,)), n_workers,
                               out.numpy(), zout.numpy())
-    return out.to(xz.dtype), zout.to(xz.dtype)
+    return _as(out, xz.dtype), _as(zout, xz.dtype)
 
 
 def conv_silu_backward(du, dz, xz, weight, bias):
@@ -863,8 +953,8 @@ def conv_silu_backward(du, dz, xz, weight, bias):
     if bias is not None:
         db = torch.empty(dim, dtype=ct)
         _sum_batch(db_part.numpy(), db.numpy())
-        db = db.to(bias.dtype)
-    return dxz.to(xz.dtype), dw.reshape(weight.shape).to(weight.dtype), db
+        db = _as(db, bias.dtype)
+    return _as(dxz, xz.dtype), _as(dw.reshape(weight.shape), weight.dtype), db
 
 
 def rms_norm_forward(x, weight, eps):
@@ -874,7 +964,7 @@ def rms_norm_forward(x, weight, eps):
     out = torch.empty(x2.shape, dtype=ct)
     rstd = torch.empty(x2.shape[0], dtype=ct)
     _rms_norm_forward_kernel(x2, _np(weight, ct), float(eps), out.numpy(), rstd.numpy())
-    return out.reshape(x.shape).to(x.dtype), rstd
+    return _as(out.reshape(x.shape), x.dtype), rstd
 
 
 def rms_norm_backward(dout, x, weight, rstd):
@@ -885,4 +975,4 @@ def rms_norm_backward(dout, x, weight, rstd):
     dw = torch.empty(d, dtype=ct)
     _rms_norm_backward_kernel(_np(dout.reshape(-1, d), ct), _np(x.reshape(-1, d), ct),
                               _np(weight, ct), rstd.numpy(), dx.numpy(), dw.numpy())
-    return dx.reshape(x.shape).to(x.dtype), dw.to(weight.dtype)
+    return _as(dx.reshape(x.shape), x.dtype), _as(dw, weight.dtype)
