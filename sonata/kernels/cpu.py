@@ -55,6 +55,18 @@ the channels, i.e. over the lanes: one reduction per (t, n) and block. Recomputi
 costs one more forward pass of arithmetic and saves L / CHUNK times the memory
 (and the memory traffic, which on a CPU would otherwise bound both passes).
 
+The delta projection (optional, `delta_proj`). In the model delta is dt_proj's output,
+delta_t[d] = sum_r W[d, r] x_t[r] with a small rank R (6 in the seed model). Given the
+low-rank input x ((batch, L, R)) and W ((dim, R)) instead of delta, the kernels form each
+block's delta lanes as R multiply-adds per step (in the order of r), in the forward and in
+the backward's recompute, and send ddelta on instead of storing it: dW[d, r] += ddt_t[d]
+x_t[r] lane-wise (per-(batch, channel) partials, summed over the batch in order like dA), and
+dx_t[r] = sum_d W[d, r] ddt_t[d], a lane reduction per (t, r) and block into per-(batch,
+group) partials summed like dB and dC. No (batch, dim, L) delta is ever stored or transposed,
+and the matmuls of the projection (three per layer and step, with K or N = R: slow shapes)
+are gone. Measured at the seed model's size: dt_proj's three matmuls and two transposed
+copies per layer gone from the step's profile, the step 2-3% faster.
+
 Work distribution. Each parallel pass runs one `prange` iteration per thread, and
 the threads take work items from a shared atomic counter (`_take`) until none are
 left, instead of getting a fixed share each: on a machine where another process
