@@ -236,10 +236,9 @@ def test_gradcheck_float64(monkeypatch, chunk):
 
 # ----------------------------------------------------------------------------- properties
 
-def test_deterministic(nan_empty):
-    """Bit-identical outputs and gradients on repeated calls, and for any thread count."""
-    seed = new_seed()
-    t, kw = make_inputs(seed, 3, 200, 16, 300)
+def assert_same_on_repeat_and_threads(seed, t, kw, runner):
+    """runner(leaves, kw, dout, dlast, "cpu") -> (out, last, grads) gives bit-identical results
+    twice with torch's thread count and once with one thread (batch 3, dim 200, N 16, L 300)."""
     g = torch.Generator().manual_seed(seed + 1)
     dout = torch.randn(3, 200, 300, generator=g, dtype=torch.float64)
     dlast = torch.randn(3, 200, 16, generator=g, dtype=torch.float64)
@@ -248,7 +247,7 @@ def test_deterministic(nan_empty):
     try:
         for n_threads in (threads, threads, 1):
             torch.set_num_threads(n_threads)
-            results.append(run(leaves(t), kw, dout, dlast, "cpu"))
+            results.append(runner(leaves(t), kw, dout, dlast, "cpu"))
     finally:
         torch.set_num_threads(threads)
     (out0, last0, g0) = results[0]
@@ -256,6 +255,13 @@ def test_deterministic(nan_empty):
         assert torch.equal(out, out0) and torch.equal(last, last0), f"seed={seed}"
         for name in g0:
             assert torch.equal(grads[name], g0[name]), f"d{name} differs (seed={seed})"
+
+
+def test_deterministic(nan_empty):
+    """Bit-identical outputs and gradients on repeated calls, and for any thread count."""
+    seed = new_seed()
+    t, kw = make_inputs(seed, 3, 200, 16, 300)
+    assert_same_on_repeat_and_threads(seed, t, kw, run)
 
 
 def test_saved_state_is_chunked():
@@ -385,22 +391,7 @@ def test_delta_projection_deterministic(nan_empty):
     same composition as a matmul."""
     seed = new_seed()
     t, kw = proj_inputs(seed, 3, 200, 16, 300, 6, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed + 1)
-    dout = torch.randn(3, 200, 300, generator=g, dtype=torch.float64)
-    dlast = torch.randn(3, 200, 16, generator=g, dtype=torch.float64)
-    threads = torch.get_num_threads()
-    results = []
-    try:
-        for n_threads in (threads, threads, 1):
-            torch.set_num_threads(n_threads)
-            results.append(run_proj(leaves(t), kw, dout, dlast, "cpu"))
-    finally:
-        torch.set_num_threads(threads)
-    out0, last0, g0 = results[0]
-    for out, last, grads in results[1:]:
-        assert torch.equal(out, out0) and torch.equal(last, last0), f"seed={seed}"
-        for name in g0:
-            assert torch.equal(grads[name], g0[name]), f"d{name} differs (seed={seed})"
+    assert_same_on_repeat_and_threads(seed, t, kw, run_proj)
     with torch.no_grad():
         composed = selective_scan(t["u"], (t["delta"] @ t["delta_proj"].t()).transpose(1, 2),
                                   t["A"], t["B"], t["C"], t["D"], t["z"], t["delta_bias"],
