@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from sonata.config import ModelConfig
 from sonata.decode import Decoder, sample_next
 from sonata.kernels import conv_silu, rms_norm, selective_scan
-from sonata.kernels.reference import step as scan_step
+from sonata.kernels.reference import project_delta, step as scan_step
 from sonata.quant import QLinear, quantize_int8
 
 
@@ -78,12 +78,15 @@ class MambaMixer(nn.Module):
         else:
             self.A_log.clamp_(min=math.log(a_min))
 
+    def _x_proj(self, x):
+        """x (b, L, di) after conv+SiLU -> dt (b, L, r), B, C (b, L, n): views of x_proj's output."""
+        r, n = self.cfg.dt_rank_, self.cfg.d_state
+        return self.x_proj(x).split([r, n, n], dim=-1)
+
     def _ssm_inputs(self, x):
         """x (b, L, di) after conv+SiLU -> delta (b, di, L), B, C (b, n, L)."""
-        r, n = self.cfg.dt_rank_, self.cfg.d_state
-        dt, B, C = self.x_proj(x).split([r, n, n], dim=-1)             # (b, L, r|n|n)
-        delta = (dt @ self.dt_proj.weight.t()).transpose(1, 2)          # (b, di, L); bias in the scan
-        return delta, B.transpose(1, 2), C.transpose(1, 2)
+        dt, B, C = self._x_proj(x)
+        return project_delta(dt, self.dt_proj.weight), B.transpose(1, 2), C.transpose(1, 2)
 
     def forward(self, h):                                               # h (b, L, d)
         # The projections work in (b, L, channels); the convolution and the scan in (b, di, L).
@@ -93,8 +96,7 @@ class MambaMixer(nn.Module):
         # transposed); other backends run dt_proj as a matmul first (kernels/__init__.py).
         x, z = conv_silu(self.in_proj(h), self.conv1d.weight, self.conv1d.bias,
                          self.cfg.backend)                              # (b, L, di) views
-        r, n = self.cfg.dt_rank_, self.cfg.d_state
-        dt, B, C = self.x_proj(x).split([r, n, n], dim=-1)             # (b, L, r|n|n)
+        dt, B, C = self._x_proj(x)                                      # (b, L, r|n|n)
         y = selective_scan(x.transpose(1, 2), dt, self.A, B.transpose(1, 2), C.transpose(1, 2),
                            self.D.float(), z=z.transpose(1, 2), delta_bias=self.dt_proj.bias.float(),
                            delta_softplus=True, backend=self.cfg.backend,

@@ -36,7 +36,7 @@ import warnings
 import torch
 
 from sonata.autograd import ConvSiluFn, RMSNormFn, fused_scan
-from sonata.kernels.reference import conv_silu_ref, rms_norm_ref, selective_scan_ref
+from sonata.kernels.reference import conv_silu_ref, project_delta, rms_norm_ref, selective_scan_ref
 
 BACKENDS = ("auto", "reference", "cpu", "triton")
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -126,7 +126,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None,
     if reason is not None:
         _record_fallback(reason)
     if delta_proj is not None and name != "cpu":
-        delta, delta_proj = (delta @ delta_proj.t()).transpose(1, 2), None
+        delta, delta_proj = project_delta(delta, delta_proj), None
     if name == "reference":
         return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
                                   return_last_state)

@@ -801,8 +801,9 @@ def _rms_norm_backward_kernel(dout, x, w, rstd, dx, dw):
 
 # The glue below runs once per kernel call, about 20 calls per training step: each torch call
 # in it costs 1-2.5 us, so it takes the cheap path (no .to(), .contiguous() or transpose through
-# torch) when the tensor already is what the kernels read. Measured at the seed model's size,
-# the glue of a step's kernels was about 1.2 ms against 0.5 ms of kernels at the smallest size.
+# torch) when the tensor already is what the kernels read. A set of the six kernel calls (scan,
+# conv, RMSNorm, forward and backward) at the smallest size, where only the glue costs, went from
+# 972 to 689 us with it (paired, 40 rounds): about 0.6 ms per training step.
 _threads = threading.local()
 
 
@@ -843,6 +844,14 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 _chunk_lengths: dict[int, torch.Tensor] = {}
+
+
+def _chunk_length(chunk: int) -> torch.Tensor:
+    """The chunk length as a 0-d tensor (saved for the backward), made once per value."""
+    t = _chunk_lengths.get(chunk)
+    if t is None:
+        t = _chunk_lengths[chunk] = torch.tensor(chunk)
+    return t
 
 
 def _empty_like_layout(t: torch.Tensor, shape, ct: torch.dtype) -> torch.Tensor:
@@ -894,7 +903,7 @@ def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj=None
                     _transposed(C, ct), _optional(D, ct, (dim,)), _optional(z, ct, (1, 1, 1), _activation),
                     _optional(delta_bias, ct, (dim,)), bool(delta_softplus), z is not None, chunk,
                     n_workers, out.numpy(), last_state.numpy(), ckpt.numpy())
-    return _as(out, u.dtype), last_state, (ckpt, _chunk_lengths.setdefault(chunk, torch.tensor(chunk)))
+    return _as(out, u.dtype), last_state, (ckpt, _chunk_length(chunk))
 
 
 def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, saved, delta_proj=None):

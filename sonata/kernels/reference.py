@@ -25,6 +25,13 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def project_delta(dt, weight):
+    """The model's delta from dt_proj's low-rank input: dt (batch, L, R), weight (d_inner, R) ->
+    (batch, d_inner, L), a transposed view (bias and softplus are the scan's). What
+    `selective_scan(..., delta_proj=weight)` means; the cpu kernels form it inside the scan."""
+    return (dt @ weight.t()).transpose(1, 2)
+
+
 def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None,
                        delta_softplus=False, return_last_state=False, initial_state=None):
     out_dtype = u.dtype
