@@ -90,10 +90,12 @@ class MambaMixer(nn.Module):
 
     def forward(self, h):                                               # h (b, L, d)
         # The projections work in (b, L, channels); the convolution and the scan in (b, di, L).
-        # Each gets a transposed view of the other's output. On the cpu backend the fused conv
-        # hands x and the gate z on already in the scan's layout, and the scan computes delta
-        # from dt_proj's low-rank input itself (`delta_proj`: no (b, di, L) delta is stored or
-        # transposed); other backends run dt_proj as a matmul first (kernels/__init__.py).
+        # Each gets a transposed view of the other's output. On the cpu backend x, the scan's
+        # output and their gradients stay in the projections' layout (the kernels read and
+        # write it in place: no transposed copies), the fused conv hands the gate z on in the
+        # scan's layout, and the scan computes delta from dt_proj's low-rank input itself
+        # (`delta_proj`: no (b, di, L) delta is stored or transposed); other backends run
+        # dt_proj as a matmul first (kernels/__init__.py).
         x, z = conv_silu(self.in_proj(h), self.conv1d.weight, self.conv1d.bias,
                          self.cfg.backend)                              # (b, L, di) views
         dt, B, C = self._x_proj(x)                                      # (b, L, r|n|n)

@@ -296,10 +296,10 @@ def as_time_major(t, pad=0):
 
 
 def test_time_major_strided_inputs(nan_empty):
-    """Inputs in the model's (batch, L, channels) layout, B and C as slices of a wider tensor:
-    the same outputs as contiguous inputs (bit for bit) and gradients (to float32 rounding),
-    and the output and the
-    gradients of u, delta, z, B, C come back in their input's layout (no transposed copies)."""
+    """Inputs and the output's gradient in the model's (batch, L, channels) layout, B and C as
+    slices of a wider tensor: the same outputs as contiguous inputs (bit for bit) and gradients
+    (to float32 rounding). The output and du come back in the model's layout either way
+    (transposed views of C-contiguous (batch, L, dim) tensors: no copy for the projections)."""
     seed = new_seed()
     batch, dim, N, L = 3, 40, 16, 70
     t, kw = make_inputs(seed, batch, dim, N, L)
@@ -311,9 +311,14 @@ def test_time_major_strided_inputs(nan_empty):
                    if k in ("u", "delta", "z", "B", "C") else v.detach().clone().requires_grad_())
                for k, v in t.items()}
     out = selective_scan(**strided, **kw, return_last_state=True, backend="cpu")
-    loss = (out[0].double() * dout).sum() + (out[1].double() * dlast).sum()
+    seen = []        # the layout of the output's gradient as it reaches the backward
+    out[0].register_hook(lambda g: seen.append(g.transpose(1, 2).is_contiguous()))
+    loss = (out[0].double() * as_time_major(dout)).sum() + (out[1].double() * dlast).sum()
     grads = torch.autograd.grad(loss, [strided[k] for k in GRAD_NAMES])
+    assert seen == [True], "the output's gradient did not arrive time-major"
     assert torch.equal(out[0], out0) and torch.equal(out[1], last0), f"seed={seed}"
+    for o in (out[0], out0, grads[0], g0["u"]):
+        assert o.transpose(1, 2).is_contiguous() and not o.is_contiguous(), "not in the model's layout"
     for name, grad in zip(GRAD_NAMES, grads):
         # equal to float32 rounding: once in a full-suite run on a loaded machine ddelta
         # differed in its last bits (seed 386188801; bit-equal when rerun alone)
@@ -452,14 +457,16 @@ def conv_inputs(seed, batch, L, dim, K, bias, dtype=torch.float64):
     return xz, w, b, dout
 
 
-def conv_run(xz, w, b, dout, backend, dtype):
-    """-> (u, z, dxz, dweight, dbias or None)."""
+def conv_run(xz, w, b, dout, backend, dtype, du_layout="model"):
+    """-> (u, z, dxz, dweight, dbias or None). u's gradient reaches the backward in the model's
+    (batch, L, dim) layout, or as a C-contiguous (batch, dim, L) tensor with du_layout="scan"."""
     dim = w.shape[0]
     xz_, w_ = xz.detach().to(dtype).requires_grad_(), w.detach().to(dtype).requires_grad_()
     b_ = None if b is None else b.detach().to(dtype).requires_grad_()
     u, z = conv_silu(xz_, w_, b_, backend=backend)
     leaves_ = [xz_, w_] + ([] if b is None else [b_])
-    loss = (u.double() * dout[..., :dim]).sum() + (z.double() * dout[..., dim:]).sum()
+    du = dout[..., :dim] if du_layout == "model" else dout[..., :dim].transpose(1, 2).contiguous().transpose(1, 2)
+    loss = (u.double() * du).sum() + (z.double() * dout[..., dim:]).sum()
     grads = torch.autograd.grad(loss, leaves_)
     return (u, z, *grads) + (() if b is not None else (None,))
 
@@ -474,14 +481,15 @@ def test_conv_silu_matches_reference(nan_empty, shape):
     """The fused depthwise conv + SiLU and gate split against the float64 reference: u, z and
     the gradients of the projection output (both halves), weight and bias, for the usual kernel
     (K = 4) and the general path (other K), sequences shorter than the kernel and channel
-    counts that are not a multiple of W. u and z come back in the scan's layout: transposed
-    views of C-contiguous (batch, dim, L) tensors."""
+    counts that are not a multiple of W. u comes back C-contiguous in the model's (batch, L,
+    dim) layout (read in place by x_proj and the scan), z in the scan's: a transposed view of a
+    C-contiguous (batch, dim, L) tensor."""
     seed = new_seed()
     batch, L, dim, K, bias = shape
     xz, w, b, dout = conv_inputs(seed, batch, L, dim, K, bias)
     got = conv_run(xz, w, b, dout, "cpu", torch.float32)
     ref = conv_run(xz, w, b, dout, "reference", torch.float64)
-    assert got[0].transpose(1, 2).is_contiguous() and got[1].transpose(1, 2).is_contiguous(), f"seed={seed}"
+    assert got[0].is_contiguous() and got[1].transpose(1, 2).is_contiguous(), f"seed={seed}"
     assert torch.equal(got[1].double(), ref[1].float().double()), f"z is a copy (seed={seed})"
     for label, g_, r_ in zip(CONV_NAMES, got, ref):
         if r_ is None:
@@ -506,8 +514,9 @@ def test_conv_silu_gradcheck_float64(K):
 
 
 def test_conv_silu_deterministic(nan_empty):
-    """Bit-identical output and gradients on repeated calls and for any thread count (the
-    weight and bias gradients are per-sequence partials summed in batch order)."""
+    """Bit-identical output and gradients on repeated calls, for any thread count (the weight
+    and bias gradients are per-sequence partials summed in batch order) and with u's gradient
+    in either layout (read in place or from the scan's)."""
     seed = new_seed()
     xz, w, b, dout = conv_inputs(seed, 5, 130, 200, 4, True)
     threads = torch.get_num_threads()
@@ -516,6 +525,7 @@ def test_conv_silu_deterministic(nan_empty):
         for n_threads in (threads, threads, 1):
             torch.set_num_threads(n_threads)
             results.append(conv_run(xz, w, b, dout, "cpu", torch.float32))
+        results.append(conv_run(xz, w, b, dout, "cpu", torch.float32, du_layout="scan"))
     finally:
         torch.set_num_threads(threads)
     for other in results[1:]:

@@ -157,10 +157,10 @@ def rms_norm(x, weight, eps, backend="auto"):
 def conv_silu(xz, weight, bias, backend="auto"):
     """The mixer's convolution and gate split: xz (batch, L, 2 dim), in_proj's output, any
     strides -> (u, z), each (batch, L, dim): u = silu(depthwise causal conv1d(xz[..., :dim]) +
-    bias), a transposed view of a C-contiguous (batch, dim, L) tensor (the layout the scan
-    reads), and the gate z = xz[..., dim:]. weight (dim, 1, K), bias (dim,). Fused in numba for
-    the `cpu` backend (z comes back moved into u's layout, and the backward writes the whole
-    projection's gradient at once), PyTorch ops for the others (z a view of xz)."""
+    bias) and the gate z = xz[..., dim:]. weight (dim, 1, K), bias (dim,). Fused in numba for
+    the `cpu` backend: u C-contiguous (x_proj and the cpu scan read it in place), z moved into
+    the scan's (batch, dim, L) layout (a transposed view comes back), and the backward writes
+    the whole projection's gradient at once; PyTorch ops for the others (z a view of xz)."""
     impl = _fused_cpu(backend, xz)
     if impl is not None:
         u, z = ConvSiluFn.apply(impl, xz, weight, bias)

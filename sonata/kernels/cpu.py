@@ -18,7 +18,8 @@ keep the state of a block as h[n, w] (N x W): per time step and state entry n,
 is one W-wide vector operation (B_t[n], C_t[n] broadcast), and the sums over n
 (y here; s_bg, s_aq below) accumulate lane by lane: no horizontal reductions in
 the time loop. exp(dt A) is computed on the fly, W lanes at a time. The block's
-inputs u, delta, z, dout ((batch, dim, L)) are copied chunk by chunk into small
+inputs u, delta, z, dout ((batch, dim, L), u and dout also time-major (batch, L, dim), the
+model's layout, see `_load_block`) are copied chunk by chunk into small
 lane-contiguous (chunk, W) buffers, softplus / sigmoid / the gate are computed
 there, and results are copied back; a block that runs past the last channel
 (dim not a multiple of W) has zeros in the extra lanes (dt = u = dy = 0, so its
@@ -250,33 +251,55 @@ def _sigmoid(x, one):
 # buffers is a transposition. It runs as a plain copy in its own (not inlined) function,
 # once per chunk: inlined into a kernel, with arithmetic in the same loop, LLVM vectorized
 # it with AVX-512 gathers / scatters, which measured slower. The arithmetic runs on the
-# buffers, in loops over the W lanes. The activations reach the kernels C-contiguous in
-# (batch, dim, L) (the glue copies them when the model's layout differs): kernels that read
-# the model's (batch, L, dim) layout in place, through strides or as time-major C arrays,
-# measured 1.2-1.9x slower per scan than a copy plus this layout (micro-batch 8 and 16, the
-# whole training step 10-20% slower).
+# buffers, in loops over the W lanes. An activation reaches the kernels as a C-contiguous
+# array, channel-major (batch, dim, L) or time-major (batch, L, dim) (`tm`: the model's own
+# layout, read in place, no copy by the glue); u, dout (either), out and du (time-major) move
+# between the model's projections and the scan with no transposed copy. A time-major row of a
+# full block is W contiguous values: its loop runs over the constant W (over the run-time
+# channel count, such loops measured 3.6-4.3x slower; an earlier attempt at time-major
+# arrays, written that way, had measured the scan 1.2-1.9x slower than copying).
 
 @njit(**_jit)
-def _load_block(x, b, d0, nw, t0, T, buf):
-    """buf[i, w] = x[b, d0 + w, t0 + i]; 0 in the lanes w >= nw (past the last channel)."""
-    for w in range(nw):
+def _load_block(x, tm, b, d0, nw, t0, T, buf):
+    """buf[i, w] = x[b, d0 + w, t0 + i], or x[b, t0 + i, d0 + w] when `tm` (x time-major:
+    (batch, L, dim)); 0 in the lanes w >= nw (past the last channel)."""
+    if tm and nw == W:              # rows of W channels: the constant count vectorizes
         for i in range(T):
-            buf[i, w] = x[b, d0 + w, t0 + i]
+            for w in range(W):
+                buf[i, w] = x[b, t0 + i, d0 + w]
+        return
+    if tm:
+        for i in range(T):
+            for w in range(nw):
+                buf[i, w] = x[b, t0 + i, d0 + w]
+    else:
+        for w in range(nw):
+            for i in range(T):
+                buf[i, w] = x[b, d0 + w, t0 + i]
     for i in range(T):
         for w in range(nw, W):
             buf[i, w] = 0
 
 
 @njit(**_jit)
-def _store_block(buf, x, b, d0, nw, t0, T):
-    """x[b, d0 + w, t0 + i] = buf[i, w] for the lanes w < nw."""
-    for w in range(nw):
+def _store_block(buf, x, tm, b, d0, nw, t0, T):
+    """x[b, d0 + w, t0 + i] (x[b, t0 + i, d0 + w] when `tm`) = buf[i, w] for the lanes w < nw."""
+    if tm and nw == W:
         for i in range(T):
-            x[b, d0 + w, t0 + i] = buf[i, w]
+            for w in range(W):
+                x[b, t0 + i, d0 + w] = buf[i, w]
+    elif tm:
+        for i in range(T):
+            for w in range(nw):
+                x[b, t0 + i, d0 + w] = buf[i, w]
+    else:
+        for w in range(nw):
+            for i in range(T):
+                x[b, d0 + w, t0 + i] = buf[i, w]
 
 
 @njit(**_inline)
-def _block_dt(delta, Wb, u, delta_bias, softplus, b, d0, nw, t0, T, dtb, ub, dtub, dspb, want_dsp):
+def _block_dt(delta, Wb, u, u_tm, delta_bias, softplus, b, d0, nw, t0, T, dtb, ub, dtub, dspb, want_dsp):
     """Per-step lanes of a block over a chunk: dtb = softplus(delta + bias) (or delta + bias),
     ub = u, dtub = dt * u, dspb = softplus'(delta + bias) if want_dsp and softplus.
     With a delta projection (Wb (R, W) with R > 0: the block's rows of dt_proj's weight),
@@ -297,8 +320,8 @@ def _block_dt(delta, Wb, u, delta_bias, softplus, b, d0, nw, t0, T, dtb, ub, dtu
                 for w in range(W):
                     row[w] += Wb[r, w] * x_r
     else:
-        _load_block(delta, b, d0, nw, t0, T, dtb)
-    _load_block(u, b, d0, nw, t0, T, ub)
+        _load_block(delta, False, b, d0, nw, t0, T, dtb)
+    _load_block(u, u_tm, b, d0, nw, t0, T, ub)
     bias = dspb[T]                    # a spare row: the block's delta_bias lanes
     for w in range(W):
         bias[w] = delta_bias[d0 + w] if w < nw else zero
@@ -339,14 +362,14 @@ def _block_params(A, D, dtw, d0, nw, Ab, Db, Wb):
 # --------------------------------------------------------------------------- forward
 
 @njit(parallel=True, **_vec)
-def _forward_kernel(u, delta, dtw, A, Bt, Ct, D, z, delta_bias, softplus, has_z, chunk, n_workers,
-                    out, last_state, ckpt):
-    # u, z: (batch, dim, L)   delta: (batch, dim, L), or (batch, L, R) with dtw (dim, R), R > 0
-    # (the delta projection; dtw (dim, 0) without)   A: (dim, N)   Bt, Ct: (batch, L, N)
-    # D, delta_bias: (dim,)   out: (batch, dim, L)   last_state: (batch, dim, N)
-    # ckpt: (batch, dim, n_chunks, N)
-    batch, dim, L = u.shape
-    N = A.shape[1]
+def _forward_kernel(u, u_tm, delta, dtw, A, Bt, Ct, D, z, delta_bias, softplus, has_z, chunk,
+                    n_workers, out, last_state, ckpt):
+    # u: (batch, dim, L), or time-major (batch, L, dim) when u_tm   z: (batch, dim, L)
+    # delta: (batch, dim, L), or (batch, L, R) with dtw (dim, R), R > 0 (the delta projection;
+    # dtw (dim, 0) without)   A: (dim, N)   Bt, Ct: (batch, L, N)   D, delta_bias: (dim,)
+    # out: time-major (batch, L, dim)   last_state: (batch, dim, N)   ckpt: (batch, dim, n_chunks, N)
+    batch, L, N = Bt.shape
+    dim = A.shape[0]
     n_blocks = -(-dim // W)
     n_items = batch * n_blocks                  # one (sequence, block of W channels) each
     one = u.dtype.type(1)
@@ -373,7 +396,7 @@ def _forward_kernel(u, delta, dtw, A, Bt, Ct, D, z, delta_bias, softplus, has_z,
                 t0 = c * chunk
                 t1 = min(L, t0 + chunk)
                 T = t1 - t0
-                _block_dt(delta, Wb, u, delta_bias, softplus, b, d0, nw, t0, T, dtb, ub, dtub,
+                _block_dt(delta, Wb, u, u_tm, delta_bias, softplus, b, d0, nw, t0, T, dtb, ub, dtub,
                           spare, False)
                 for i in range(T):
                     y = yb[i]
@@ -387,7 +410,7 @@ def _forward_kernel(u, delta, dtw, A, Bt, Ct, D, z, delta_bias, softplus, has_z,
                             h[n, w] = h_n
                             y[w] += C_n * h_n
                 if has_z:
-                    _load_block(z, b, d0, nw, t0, T, zb)
+                    _load_block(z, False, b, d0, nw, t0, T, zb)
                     for i in range(T):
                         for w in range(W):
                             z_i = zb[i, w]
@@ -396,7 +419,7 @@ def _forward_kernel(u, delta, dtw, A, Bt, Ct, D, z, delta_bias, softplus, has_z,
                     for i in range(T):
                         for w in range(W):
                             yb[i, w] = yb[i, w] + Db[w] * ub[i, w]
-                _store_block(yb, out, b, d0, nw, t0, T)
+                _store_block(yb, out, True, b, d0, nw, t0, T)
             for w in range(nw):
                 for n in range(N):
                     last_state[b, d0 + w, n] = h[n, w]
@@ -465,17 +488,18 @@ def _reduce_partials(dA_part, dD_part, ddb_part, dW_part, dB_part, dC_part, dX_p
 
 
 @njit(parallel=True, **_vec)
-def _backward_kernel(dout, dlast, u, delta, dtw, A, Bt, Ct, D, z, delta_bias, softplus, has_z,
-                     chunk, ckpt, n_groups, n_workers,
+def _backward_kernel(dout, dout_tm, dlast, u, u_tm, delta, dtw, A, Bt, Ct, D, z, delta_bias,
+                     softplus, has_z, chunk, ckpt, n_groups, n_workers,
                      du, ddelta, dz, dA, dB, dC, dD, ddb, dW, dX):
-    # dout, u, z, du, dz: (batch, dim, L)   dlast: (batch, dim, N)
+    # dout, u: (batch, dim, L), or time-major (batch, L, dim) when dout_tm / u_tm
+    # z, dz: (batch, dim, L)   du: time-major (batch, L, dim)   dlast: (batch, dim, N)
     # delta, ddelta: (batch, dim, L); or with the delta projection (dtw (dim, R), R > 0) delta is
     # (batch, L, R), its gradient goes to dX (batch, L, R) and dtw's to dW (dim, R), and
     # ddelta is not written (with R = 0, dX and dW are not written)
     # A, dA: (dim, N)   Bt, Ct: (batch, L, N)   dB, dC: (batch, N, L)
     # D, delta_bias, dD, ddb: (dim,)   ckpt: (batch, dim, n_chunks, N)
-    batch, dim, L = u.shape
-    N = A.shape[1]
+    batch, L, N = Bt.shape
+    dim = A.shape[0]
     R = dtw.shape[1]
     n_blocks = -(-dim // W)
     one = u.dtype.type(1)
@@ -528,7 +552,7 @@ def _backward_kernel(dout, dlast, u, delta, dtw, A, Bt, Ct, D, z, delta_bias, so
                     t0 = c * chunk
                     t1 = min(L, t0 + chunk)
                     T = t1 - t0
-                    _block_dt(delta, Wb, u, delta_bias, softplus, b, d0, nw, t0, T, dtb, ub, dtub,
+                    _block_dt(delta, Wb, u, u_tm, delta_bias, softplus, b, d0, nw, t0, T, dtb, ub, dtub,
                               dspb, True)
                     # states and decays from the checkpoint: hb[i + 1] = h_{t0+i}, ab[i] = a_{t0+i}
                     h0 = hb[0]
@@ -550,9 +574,9 @@ def _backward_kernel(dout, dlast, u, delta, dtw, A, Bt, Ct, D, z, delta_bias, so
                                 h_next[n, w] = h_n
                                 y[w] += C_n * h_n
                     # through the gate: dy = dout * silu(z), dz = dout * y * silu'(z)
-                    _load_block(dout, b, d0, nw, t0, T, dyb)
+                    _load_block(dout, dout_tm, b, d0, nw, t0, T, dyb)
                     if has_z:
-                        _load_block(z, b, d0, nw, t0, T, zb)
+                        _load_block(z, False, b, d0, nw, t0, T, zb)
                         for i in range(T):
                             for w in range(W):
                                 y_i = yb[i, w] + Db[w] * ub[i, w]
@@ -561,7 +585,7 @@ def _backward_kernel(dout, dlast, u, delta, dtw, A, Bt, Ct, D, z, delta_bias, so
                                 dout_i = dyb[i, w]
                                 yb[i, w] = dout_i * y_i * (s * (one + z_i * (one - s)))   # dz
                                 dyb[i, w] = dout_i * (z_i * s)
-                        _store_block(yb, dz, b, d0, nw, t0, T)
+                        _store_block(yb, dz, False, b, d0, nw, t0, T)
                     # the reverse scan G_t = C_t dy_t + a_{t+1} G_{t+1} with the local gradients
                     for i in range(T - 1, -1, -1):
                         for w in range(W):
@@ -593,7 +617,7 @@ def _backward_kernel(dout, dlast, u, delta, dtw, A, Bt, Ct, D, z, delta_bias, so
                             ddt = (s_aq[w] + ub[i, w] * s_bg[w]) * dspb[i, w]
                             ddtb[i, w] = ddt
                             ddb_acc[w] += ddt
-                    _store_block(dub, du, b, d0, nw, t0, T)
+                    _store_block(dub, du, True, b, d0, nw, t0, T)
                     if R > 0:     # through the delta projection: dW lane-wise, dX over the lanes
                         for i in range(T):
                             for r in range(R):
@@ -605,7 +629,7 @@ def _backward_kernel(dout, dlast, u, delta, dtw, A, Bt, Ct, D, z, delta_bias, so
                                     sX += Wb[r, w] * ddt
                                 dX_blk[t0 + i, r] += sX
                     else:
-                        _store_block(ddtb, ddelta, b, d0, nw, t0, T)
+                        _store_block(ddtb, ddelta, False, b, d0, nw, t0, T)
                 for w in range(nw):
                     for r in range(R):
                         dW_part[b, d0 + w, r] = dWb[r, w]
@@ -696,7 +720,8 @@ def _conv_pre(xr, w, d, bias_d, K, t):
 
 @njit(parallel=True, **_vec)
 def _conv_silu_forward_kernel(x, z, w, bias, n_workers, out, zout):
-    # x, z: (batch, L, dim) any strides   w: (dim, K)   bias: (dim,)   out, zout: (batch, dim, L)
+    # x, z: (batch, L, dim) any strides   w: (dim, K)   bias: (dim,)   out: (batch, L, dim)
+    # zout: (batch, dim, L)
     batch, L, dim = x.shape
     K = w.shape[1]
     n_blocks = -(-dim // W)
@@ -704,23 +729,26 @@ def _conv_silu_forward_kernel(x, z, w, bias, n_workers, out, zout):
     queue = np.zeros(1, dtype=np.int64)
     for _w in prange(n_workers):
         xb = np.empty((W, L + K - 1), dtype=x.dtype)
+        ub = np.empty((W, L), dtype=x.dtype)
         item = _take(queue)
         while item < batch * n_blocks:
             b, d0, nw = _conv_item(item, n_blocks, x, K, xb)
             for v in range(nw):
                 d = d0 + v
-                xr, ur, bias_d = xb[v], out[b, d], bias[d]
+                xr, ur, bias_d = xb[v], ub[v], bias[d]
                 for t in range(L):
                     ur[t] = _conv_pre(xr, w, d, bias_d, K, t)
                 for t in range(L):
                     ur[t] = ur[t] * _sigmoid(ur[t], one)
+            _from_rows(ub, out, b, d0, nw)
             _to_rows(z, b, d0, nw, 0, zout[b, d0:d0 + nw])
             item = _take(queue)
 
 
 @njit(parallel=True, **_vec)
-def _conv_silu_backward_kernel(dout, dz, x, w, bias, n_workers, dx, dzx, dw_part, db_part):
-    # dout, dz: (batch, dim, L) C-contiguous   x, dx, dzx: (batch, L, dim) any strides
+def _conv_silu_backward_kernel(dout, dout_tm, dz, x, w, bias, n_workers, dx, dzx, dw_part, db_part):
+    # dout: (batch, dim, L), or (batch, L, dim) when dout_tm   dz: (batch, dim, L)
+    # x, dx, dzx: (batch, L, dim) any strides
     # dw_part: (batch, dim, K)   db_part: (batch, dim)
     batch, L, dim = x.shape
     K = w.shape[1]
@@ -732,12 +760,16 @@ def _conv_silu_backward_kernel(dout, dz, x, w, bias, n_workers, dx, dzx, dw_part
         xb = np.empty((W, L + K - 1), dtype=x.dtype)
         gb = np.empty((W, L + K - 1), dtype=x.dtype)     # dc, K - 1 zeros after it
         dxb = np.empty((W, L), dtype=x.dtype)
+        drows = np.empty((W, L), dtype=x.dtype)
         item = _take(queue)
         while item < batch * n_blocks:
             b, d0, nw = _conv_item(item, n_blocks, x, K, xb)
+            if dout_tm:
+                _to_rows(dout, b, d0, nw, 0, drows)
             for v in range(nw):
                 d = d0 + v
-                xr, gr, dr, dxr, bias_d = xb[v], gb[v], dout[b, d], dxb[v], bias[d]
+                dr = drows[v] if dout_tm else dout[b, d]
+                xr, gr, dxr, bias_d = xb[v], gb[v], dxb[v], bias[d]
                 for t in range(L):          # c, then dc: two loops vectorize, one did not
                     gr[t] = _conv_pre(xr, w, d, bias_d, K, t)
                 for t in range(L):
@@ -850,6 +882,16 @@ def _activation(t: torch.Tensor, ct: torch.dtype) -> np.ndarray:
     return t.detach().numpy()
 
 
+def _either_layout(t: torch.Tensor, ct: torch.dtype) -> tuple[np.ndarray, bool]:
+    """A (batch, dim, L) activation as the kernels read it -> (array, time_major): the
+    C-contiguous (batch, L, dim) array behind a transposed view (the model's layout, read in
+    place), else `_activation`'s C-contiguous (batch, dim, L) array."""
+    t = _as(t, ct)                    # .to() keeps a transposed layout
+    if not t.is_contiguous() and t.transpose(1, 2).is_contiguous():
+        return t.detach().transpose(1, 2).numpy(), True
+    return _activation(t, ct), False
+
+
 def _transposed(t: torch.Tensor, ct: torch.dtype) -> np.ndarray:
     """(batch, N, L) -> (batch, L, N) view: the kernels read B_t[n], C_t[n] for all n at each
     time step. A copy only when its dtype differs, or when n is not its innermost stride."""
@@ -906,7 +948,10 @@ def _delta_args(delta, delta_proj, ct):
 
 def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj=None):
     """-> (out (batch, dim, L) in u's dtype, last_state (batch, dim, N) in the compute dtype,
-    saved = (checkpoints (batch, dim, n_chunks, N), chunk length as a 0-d tensor)).
+    saved = (checkpoints (batch, dim, n_chunks, N), chunk length as a 0-d tensor)). u may come
+    as a (batch, dim, L) tensor or as a transposed view of a (batch, L, dim) one (read in place);
+    out is a transposed view of a C-contiguous (batch, L, dim) tensor: the projection after
+    the scan reads it without a copy.
     With `delta_proj` (dim, R), `delta` is the (batch, L, R) input of the delta projection and
     the kernels use delta = (delta @ delta_proj.T).transpose(1, 2), computed block by block."""
     n_workers = _set_threads()
@@ -915,27 +960,29 @@ def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj=None
     N = A.shape[1]
     chunk = CHUNK
     n_chunks = -(-L // chunk)
-    out = torch.empty((batch, dim, L), dtype=ct)
+    out = torch.empty((batch, L, dim), dtype=ct)
     last_state = torch.empty((batch, dim, N), dtype=ct)
     ckpt = torch.empty((batch, dim, n_chunks, N), dtype=ct)
-    _forward_kernel(_activation(u, ct), *_delta_args(delta, delta_proj, ct), _np(A, ct), _transposed(B, ct),
+    _forward_kernel(*_either_layout(u, ct), *_delta_args(delta, delta_proj, ct), _np(A, ct), _transposed(B, ct),
                     _transposed(C, ct), _optional(D, ct, (dim,)), _optional(z, ct, (1, 1, 1), _activation),
                     _optional(delta_bias, ct, (dim,)), bool(delta_softplus), z is not None, chunk,
                     n_workers, out.numpy(), last_state.numpy(), ckpt.numpy())
-    return _as(out, u.dtype), last_state, (ckpt, _chunk_length(chunk))
+    return _as(out, u.dtype).transpose(1, 2), last_state, (ckpt, _chunk_length(chunk))
 
 
 def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, saved, delta_proj=None):
     """-> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias), each in its input's dtype
     (None for a None input among D, z, delta_bias); with `delta_proj`, ddelta is the gradient
-    of the (batch, L, R) input and d delta_proj follows as a ninth gradient."""
+    of the (batch, L, R) input and d delta_proj follows as a ninth gradient. dout and u are
+    read in either layout (see `forward`); du comes back as out does, a transposed view of a
+    C-contiguous (batch, L, dim) tensor."""
     n_workers = _set_threads()
     ckpt, chunk = saved
     ct = compute_dtype(u.dtype)
     batch, dim, L = u.shape
     N = A.shape[1]
     R = 0 if delta_proj is None else delta_proj.shape[1]
-    du = torch.empty((batch, dim, L), dtype=ct)
+    du = torch.empty((batch, L, dim), dtype=ct)
     ddelta = torch.empty((batch, dim, L) if R == 0 else (batch, L, R), dtype=ct)
     dW = torch.empty((dim, R), dtype=ct)
     dz = torch.empty((batch, dim, L) if z is not None else (1, 1, 1), dtype=ct)
@@ -944,14 +991,15 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
     dC = _empty_like_layout(C, (batch, N, L), ct)
     dD = torch.empty((dim,), dtype=ct)
     ddb = torch.empty((dim,), dtype=ct)
-    _backward_kernel(_optional(dout, ct, (batch, dim, L), _activation), _optional(dlast, ct, (batch, dim, N)),
-                     _activation(u, ct), *_delta_args(delta, delta_proj, ct), _np(A, ct), _transposed(B, ct),
+    dout_args = (_optional(None, ct, (batch, dim, L)), False) if dout is None else _either_layout(dout, ct)
+    _backward_kernel(*dout_args, _optional(dlast, ct, (batch, dim, N)),
+                     *_either_layout(u, ct), *_delta_args(delta, delta_proj, ct), _np(A, ct), _transposed(B, ct),
                      _transposed(C, ct), _optional(D, ct, (dim,)), _optional(z, ct, (1, 1, 1), _activation),
                      _optional(delta_bias, ct, (dim,)), bool(delta_softplus), z is not None,
                      int(chunk), _np(ckpt, ct), _n_groups(batch, dim), n_workers,
                      du.numpy(), ddelta.numpy(), dz.numpy(), dA.numpy(), dB.numpy(), dC.numpy(),
                      dD.numpy(), ddb.numpy(), dW.numpy(), ddelta.numpy() if R else dW.numpy()[None])
-    grads = (_as(du, u.dtype), _as(ddelta, delta.dtype), _as(dA, A.dtype), _as(dB, B.dtype), _as(dC, C.dtype),
+    grads = (_as(du, u.dtype).transpose(1, 2), _as(ddelta, delta.dtype), _as(dA, A.dtype), _as(dB, B.dtype), _as(dC, C.dtype),
              None if D is None else _as(dD, D.dtype),
              None if z is None else _as(dz, z.dtype),
              None if delta_bias is None else _as(ddb, delta_bias.dtype))
@@ -959,22 +1007,24 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
 
 
 def conv_silu_forward(xz, weight, bias):
-    """xz (batch, L, 2 dim), any strides (in_proj's output) -> (u, z), each (batch, dim, L)
-    C-contiguous in xz's dtype: u = silu(depthwise causal conv of xz[..., :dim] + bias), z =
-    xz[..., dim:] moved into the same layout. weight (dim, 1, K) or (dim, K); bias (dim,) or None."""
+    """xz (batch, L, 2 dim), any strides (in_proj's output) -> (u, z), each (batch, dim, L) in
+    xz's dtype: u = silu(depthwise causal conv of xz[..., :dim] + bias), a transposed view of a
+    C-contiguous (batch, L, dim) tensor (x_proj and the scan read it in place); z =
+    xz[..., dim:] moved into a C-contiguous (batch, dim, L) tensor. weight (dim, 1, K) or
+    (dim, K); bias (dim,) or None."""
     n_workers = _set_threads()
     ct = compute_dtype(xz.dtype)
     batch, L, dim = xz.shape[0], xz.shape[1], weight.shape[0]
-    out = torch.empty((batch, dim, L), dtype=ct)
+    out = torch.empty((batch, L, dim), dtype=ct)
     zout = torch.empty((batch, dim, L), dtype=ct)
     _conv_silu_forward_kernel(_np(xz[..., :dim], ct), _np(xz[..., dim:], ct),
                               _np(weight.reshape(dim, -1), ct), _optional(bias, ct, (dim,)), n_workers,
                               out.numpy(), zout.numpy())
-    return _as(out, xz.dtype), _as(zout, xz.dtype)
+    return _as(out, xz.dtype).transpose(1, 2), _as(zout, xz.dtype)
 
 
 def conv_silu_backward(du, dz, xz, weight, bias):
-    """du, dz (batch, dim, L) -> (dxz (batch, L, 2 dim) in xz's dtype, dweight like weight, dbias
+    """du, dz (batch, dim, L) (du in either layout, see `forward`) -> (dxz (batch, L, 2 dim) in xz's dtype, dweight like weight, dbias
     like bias or None)."""
     n_workers = _set_threads()
     ct = compute_dtype(xz.dtype)
@@ -983,7 +1033,7 @@ def conv_silu_backward(du, dz, xz, weight, bias):
     dxz = torch.empty((batch, L, 2 * dim), dtype=ct)
     dw_part = torch.empty((batch, dim * K), dtype=ct)
     db_part = torch.empty((batch, dim), dtype=ct)
-    _conv_silu_backward_kernel(_activation(du, ct), _activation(dz, ct), _np(xz[..., :dim], ct),
+    _conv_silu_backward_kernel(*_either_layout(du, ct), _activation(dz, ct), _np(xz[..., :dim], ct),
                                _np(weight.reshape(dim, K), ct), _optional(bias, ct, (dim,)), n_workers,
                                dxz[..., :dim].numpy(), dxz[..., dim:].numpy(),
                                dw_part.numpy().reshape(batch, dim, K), db_part.numpy())
