@@ -55,9 +55,9 @@ def test_tiny_parameters_exist_in_the_notebook(name):
     assert not missing, f"{name} has no parameters {sorted(missing)}"
 
 
-def _run(name, tmp_path, **extra):
+def _run(name, tmp_path, tiny=True, **extra):
     out_nb = tmp_path / name
-    params = dict(TINY[name], **extra)
+    params = dict(TINY[name] if tiny else {}, **extra)
     if "out_dir" in notebook_parameters(NOTEBOOKS / name):
         params["out_dir"] = str(tmp_path / "run")
     if "checkpoint" in notebook_parameters(NOTEBOOKS / name):
@@ -113,20 +113,17 @@ def test_notebook_01_defaults_print_the_committed_outputs(tmp_path):
     """Notebook 01 at its defaults, but a 1 s budget: the cells tagged nbval-check-output
     (the corpus summary and the model with its parameter count) print what the committed
     notebook shows. nbval does not run notebook 01 (its default is 180 s of training)."""
-    path = NOTEBOOKS / "01_train_tinystories.ipynb"
-    out_nb = tmp_path / "out.ipynb"
-    papermill.execute_notebook(str(path), str(out_nb), kernel_name="python3", cwd=str(NOTEBOOKS),
-                               progress_bar=False,
-                               parameters=dict(out_dir=str(tmp_path / "run"), max_seconds=1.0))
+    name = "01_train_tinystories.ipynb"
+    nb, _ = _run(name, tmp_path, tiny=False, max_seconds=1.0)
 
     def checked(nb):
         return ["".join(o.get("text", "")) for c in nb["cells"]
                 if "nbval-check-output" in c.get("metadata", {}).get("tags", [])
                 for o in c.get("outputs", []) if o.get("output_type") == "stream"]
 
-    committed = checked(json.loads(path.read_text()))
+    committed = checked(json.loads((NOTEBOOKS / name).read_text()))
     assert len(committed) == 2 and "parameters: " in committed[1]
-    assert checked(json.loads(out_nb.read_text())) == committed
+    assert checked(nb) == committed
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["max_seconds"] == 1.0
 
 
