@@ -56,6 +56,24 @@ class ConvSiluFn(torch.autograd.Function):
         return None, dxz, dw, db
 
 
+class CrossEntropyFn(torch.autograd.Function):
+    """loss = CrossEntropyFn.apply(impl, logits, target): a backend's fused mean cross-entropy
+    (cross_entropy_forward(logits, target) -> (loss, saved); cross_entropy_backward(dloss, saved,
+    dtype) -> dlogits). `saved` holds a (rows, V) tensor, as PyTorch's log-softmax does."""
+
+    @staticmethod
+    def forward(ctx, impl, logits, target):
+        loss, saved = impl.cross_entropy_forward(logits, target)
+        ctx.impl = impl
+        ctx.dtype = logits.dtype
+        ctx.save_for_backward(*saved)
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        return None, ctx.impl.cross_entropy_backward(dloss, ctx.saved_tensors, ctx.dtype), None
+
+
 class SelectiveScanFn(torch.autograd.Function):
     """out, last_state = SelectiveScanFn.apply(impl, u, delta, A, B, C, D, z, delta_bias, softplus,
     delta_proj). With `delta_proj` (a backend that takes it: the cpu one), `delta` is the

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from sonata.config import ModelConfig, make_config
 from sonata.device import sync
 from sonata.errors import DataError
-from sonata.kernels import fallback_count, resolve_backend
+from sonata.kernels import cross_entropy, fallback_count, resolve_backend
 from sonata.kernels.timing import saved_tensor_bytes
 from sonata.memory import steady_cpu_heap, too_few_steps
 from sonata.model import MambaLM
@@ -243,7 +243,10 @@ def step_model(name: str, device="cpu") -> torch.nn.Module:
 
 
 def _step_loss(model, x, y) -> torch.Tensor:
-    """The forward and cross-entropy of the seed model's step."""
+    """The forward and cross-entropy of the seed model's step: sonata's loss kernel for sonata's
+    model (as its trainer runs it), PyTorch's for the peers."""
+    if isinstance(model, MambaLM):
+        return cross_entropy(model(x), y, model.cfg.backend)
     return F.cross_entropy(model(x).reshape(-1, STEP_SEED["vocab_size"]), y.reshape(-1))
 
 

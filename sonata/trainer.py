@@ -22,7 +22,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from sonata import checkpoint as ckpt
 from sonata import distributed
@@ -380,7 +379,7 @@ class Trainer:
             with no_sync:
                 with autocast_for(plan.precision, self.device):
                     logits = net(xb)                                    # (mb, L, V)
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), yb.reshape(-1))
+                loss = kernels.cross_entropy(logits.float(), yb, self.cfg.model.backend)
                 self.scaler.scale(loss / acc).backward(retain_graph=self.injected_leak.retain_graph)
                 loss_sum += loss.detach()
                 self.injected_leak.after_backward(loss, logits)

@@ -15,7 +15,8 @@ import torch
 pytest.importorskip("numba")
 
 from sonata.kernels import cpu  # noqa: E402
-from sonata.kernels import conv_silu, fallback_count, rms_norm, selective_scan, selective_scan_ref  # noqa: E402
+from sonata.kernels import (conv_silu, cross_entropy, cross_entropy_ref, fallback_count, rms_norm,  # noqa: E402
+                            selective_scan, selective_scan_ref)
 
 GRAD_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
 
@@ -557,3 +558,122 @@ def test_rms_norm_matches_reference(nan_empty, shape):
     for label, got, ref in zip(("out", "dx", "dweight"), results["cpu"], results["reference"]):
         assert got.dtype == torch.float32 and got.shape == ref.shape, label
         check_close(label, got, ref, seed, 1e-4, 2e-4, 2e-5)
+
+
+# ----------------------------------------------------------------------------- cross-entropy
+
+def ce_inputs(seed, shape, spread=3.0):
+    """Logits (..., V) in float64 (spread: their standard deviation) and targets in [0, V)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(*shape, generator=g, dtype=torch.float64) * spread
+    target = torch.randint(0, shape[-1], shape[:-1], generator=g)
+    return logits, target
+
+
+def ce_run(logits, target, backend, dtype, dloss=0.7):
+    """(loss, dlogits) of one backend for logits cast to dtype, with upstream gradient dloss."""
+    x = logits.detach().to(dtype).requires_grad_()
+    loss = cross_entropy(x, target, backend=backend)
+    loss.backward(torch.tensor(dloss, dtype=loss.dtype))
+    return loss, x.grad
+
+
+@pytest.mark.parametrize("shape,spread", [((3, 70, 512), 3.0), ((2, 33, 17), 30.0), ((5, 16), 3.0),
+                                          ((1, 1), 3.0), ((4, 1), 3.0)],
+                         ids=["model-like", "wide-logits", "one-lane-block", "one-row", "one-class"])
+def test_cross_entropy_matches_reference(nan_empty, shape, spread):
+    """The fused loss against the float64 reference: the mean loss and dlogits, for an upstream
+    gradient other than 1, from a single class to the model's vocabulary (V not a multiple of
+    the kernel's 16 lanes too), logits spread wide enough that the row maximum matters."""
+    seed = new_seed()
+    logits, target = ce_inputs(seed, shape, spread)
+    got = ce_run(logits, target, "cpu", torch.float32)
+    ref = ce_run(logits, target, "reference", torch.float64)
+    for label, g, r in zip(("loss", "dlogits"), got, ref):
+        assert g.dtype == torch.float32, label
+        check_close(label, g, r, seed, 1e-4, 2e-4, 2e-5)
+    assert got[0].shape == ()
+
+
+def test_cross_entropy_gradcheck_float64():
+    logits, target = ce_inputs(new_seed(), (3, 7, 21))
+    x = logits.clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda a: cross_entropy(a, target, backend="cpu"), (x,))
+
+
+def test_cross_entropy_deterministic(nan_empty):
+    """Bit-identical loss and gradient on repeated calls and for any thread count."""
+    seed = new_seed()
+    logits, target = ce_inputs(seed, (8, 128, 512))
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (max(threads, 2), max(threads, 2), 1):
+            torch.set_num_threads(n)
+            results.append(ce_run(logits, target, "cpu", torch.float32))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for label, a, b_ in zip(("loss", "dlogits"), results[0], other):
+            assert torch.equal(a, b_), f"{label} differs (seed={seed})"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cross_entropy_half_precision(dtype):
+    """Half logits: float32 arithmetic inside, the loss and dlogits in the logits' dtype."""
+    seed = new_seed()
+    logits, target = ce_inputs(seed, (2, 40, 64))
+    loss, grad = ce_run(logits, target, "cpu", dtype)
+    ref_loss, ref_grad = ce_run(logits.to(dtype).double(), target, "reference", torch.float64)
+    assert loss.dtype == dtype and grad.dtype == dtype
+    check_close("loss", loss, ref_loss, seed, 1e-2, 1e-2, 1e-2)
+    check_close("dlogits", grad, ref_grad, seed, 1e-2, 1e-2, 1e-2)
+
+
+@pytest.mark.parametrize("bad", [512, -1])
+def test_cross_entropy_target_out_of_range(bad):
+    """A target outside [0, V) is an IndexError that says so, as PyTorch's loss raises one, not
+    a read outside the row."""
+    logits, target = ce_inputs(new_seed(), (2, 10, 512))
+    target[1, 3] = bad
+    with pytest.raises(IndexError, match=r"out of range: targets must lie in \[0, 512\)"):
+        cross_entropy(logits.float(), target, backend="cpu")
+    with pytest.raises(IndexError):
+        cross_entropy_ref(logits.reshape(-1, 512), target.reshape(-1))
+
+
+def test_cross_entropy_nan_logit_gives_nan():
+    """A NaN logit makes the loss NaN (as in the reference), not a finite number that skipped it."""
+    logits, target = ce_inputs(new_seed(), (4, 33))
+    logits[2, 5] = float("nan")
+    assert torch.isnan(cross_entropy(logits.float(), target, backend="cpu"))
+    assert torch.isnan(cross_entropy(logits, target, backend="reference"))
+
+
+def test_cross_entropy_dispatch():
+    """`cpu` and `auto` run the fused loss on CPU tensors without a fallback; `reference` is
+    PyTorch's loss exactly."""
+    logits, target = ce_inputs(new_seed(), (2, 9, 40))
+    before = fallback_count()
+    for backend in ("cpu", "auto"):
+        loss = cross_entropy(logits.float().requires_grad_(), target, backend=backend)
+        assert loss.grad_fn is not None and "CrossEntropyFn" in type(loss.grad_fn).__name__
+    assert fallback_count() == before
+    x = logits.float()
+    assert torch.equal(cross_entropy(x, target, backend="reference"),
+                       torch.nn.functional.cross_entropy(x.reshape(-1, 40), target.reshape(-1)))
+
+
+def test_cross_entropy_large_logits_anywhere(nan_empty):
+    """A logit of 500 (exp overflows float32 from 88.7) at every column in turn, the lane blocks'
+    and the tail's: the row maximum finds it wherever it is, and the loss and gradient stay
+    finite and right."""
+    seed = new_seed()
+    V = 37
+    logits = torch.randn(V, V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    logits += 500.0 * torch.eye(V, dtype=torch.float64)
+    target = torch.arange(V).roll(1)                     # never the large logit: loss about 500
+    got = ce_run(logits, target, "cpu", torch.float32)
+    ref = ce_run(logits, target, "reference", torch.float64)
+    for label, g, r in zip(("loss", "dlogits"), got, ref):
+        check_close(label, g, r, seed, 1e-4, 2e-4, 2e-5)

@@ -23,7 +23,9 @@ for the `cpu` backend, PyTorch ops for the others, which is their design and not
 `cpu` falling back (no numba, a GPU tensor) counts) and `conv_silu(xz, weight, bias, backend)`
 (the model's depthwise causal convolution + SiLU of in_proj's first half, and its second half,
 the gate, both handed on in the scan's (batch, dim, L) layout: fused in numba for `cpu`,
-PyTorch's conv1d + SiLU otherwise).
+PyTorch's conv1d + SiLU otherwise). `cross_entropy(logits, target, backend)` is the training
+loss (mean over rows): one fused numba pass for `cpu` that leaves the gradient ready for the
+backward, PyTorch's F.cross_entropy otherwise.
 """
 from __future__ import annotations
 
@@ -35,8 +37,9 @@ import warnings
 
 import torch
 
-from sonata.autograd import ConvSiluFn, RMSNormFn, fused_scan
-from sonata.kernels.reference import conv_silu_ref, project_delta, rms_norm_ref, selective_scan_ref
+from sonata.autograd import ConvSiluFn, CrossEntropyFn, RMSNormFn, fused_scan
+from sonata.kernels.reference import (conv_silu_ref, cross_entropy_ref, project_delta, rms_norm_ref,
+                                     selective_scan_ref)
 
 BACKENDS = ("auto", "reference", "cpu", "triton")
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -169,6 +172,17 @@ def conv_silu(xz, weight, bias, backend="auto"):
     return conv_silu_ref(xz[..., :dim], weight, bias), xz[..., dim:]
 
 
+def cross_entropy(logits, target, backend="auto"):
+    """Mean cross-entropy of logits (..., V) against integer targets (...) in [0, V): the
+    training loss. A target outside the range raises IndexError (no ignored index)."""
+    logits, target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+    impl = _fused_cpu(backend, logits)
+    if impl is not None:
+        return CrossEntropyFn.apply(impl, logits, target)
+    return cross_entropy_ref(logits, target)
+
+
 __all__ = ["selective_scan", "selective_scan_ref", "conv_silu", "conv_silu_ref",
-           "rms_norm", "rms_norm_ref", "fallback_count", "reset_fallback_count",
+           "rms_norm", "rms_norm_ref", "cross_entropy", "cross_entropy_ref", "fallback_count",
+           "reset_fallback_count",
            "resolve_backend", "use_triton_interpreter_without_gpu", "BACKENDS"]

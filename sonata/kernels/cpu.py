@@ -1,4 +1,6 @@
 """Fused numba CPU kernels for the selective scan: forward and hand-written backward.
+(Below the scan, the same module holds the fused kernels around it: the depthwise
+convolution + SiLU, RMSNorm and the cross-entropy loss, each with its own comment.)
 
 Semantics are exactly those of `selective_scan_ref` (sonata/kernels/reference.py):
 
@@ -848,6 +850,72 @@ def _rms_norm_backward_kernel(dout, x, w, rstd, dx, dw):
             dw[j] += dout[i, j] * x[i, j] * r
 
 
+# --------------------------------------------------------------------------- cross-entropy
+
+# The language-model loss over rows of logits (rows = batch * L, V = vocabulary), mean over rows:
+#   loss_i = log(s_i) + m_i - x_i,t_i,   s_i = sum_j exp(x_ij - m_i),   m_i = max_j x_ij
+#   dloss/dx_ij = g (exp(x_ij - m_i) / (rows s_i) - [j == t_i] / rows)   (g: upstream gradient)
+# The forward keeps the exponentials (rows, V) and c_i = 1 / (rows s_i); the backward is one
+# pass, exp * (c_i g), minus g / rows at the target. No log-softmax, zero fill or scatter of
+# (rows, V) runs, and each pass reads and writes the (rows, V) data once (PyTorch's loss makes
+# five such passes). Parallel over blocks of rows from the work queue; each row is computed by
+# one thread in a fixed order, and the glue sums the row losses in order: the same for any
+# number of threads. The row maximum runs lane-wise over W lanes (a max reduction into one
+# running value does not vectorize). NaN logits give NaN (the maximum skips them, the
+# exponentials do not).
+CE_ROWS = 16
+
+
+@njit(parallel=True, **_vec)
+def _cross_entropy_forward_kernel(logits, target, n_workers, loss_rows, ex, c):
+    n, V = logits.shape
+    n_items = -(-n // CE_ROWS)
+    queue = np.zeros(1, np.int64)
+    zero, one = logits.dtype.type(0), logits.dtype.type(1)
+    for _ in prange(n_workers):
+        lanes = np.empty(W, logits.dtype)
+        item = _take(queue)
+        while item < n_items:
+            for i in range(item * CE_ROWS, min(n, (item + 1) * CE_ROWS)):
+                x, e = logits[i], ex[i]
+                for w in range(W):
+                    lanes[w] = x[0]
+                for j0 in range(0, V - W + 1, W):
+                    for w in range(W):
+                        v = x[j0 + w]
+                        lanes[w] = v if v > lanes[w] else lanes[w]
+                m = lanes[0]
+                for j in range(V - V % W, V):
+                    m = x[j] if x[j] > m else m
+                for w in range(1, W):
+                    m = lanes[w] if lanes[w] > m else m
+                s = zero
+                for j in range(V):
+                    ej = _exp(x[j] - m)
+                    e[j] = ej
+                    s += ej
+                loss_rows[i] = np.log(s) + m - x[target[i]]
+                c[i] = one / (n * s)
+            item = _take(queue)
+
+
+@njit(parallel=True, **_vec)
+def _cross_entropy_backward_kernel(ex, c, target, g, n_workers, dx):
+    n, V = ex.shape
+    n_items = -(-n // CE_ROWS)
+    queue = np.zeros(1, np.int64)
+    g_row = g / n
+    for _ in prange(n_workers):
+        item = _take(queue)
+        while item < n_items:
+            for i in range(item * CE_ROWS, min(n, (item + 1) * CE_ROWS)):
+                f = c[i] * g
+                for j in range(V):
+                    dx[i, j] = ex[i, j] * f
+                dx[i, target[i]] -= g_row
+            item = _take(queue)
+
+
 # --------------------------------------------------------------------------- torch glue
 
 # The glue below runs once per kernel call, about 20 calls per training step: each torch call
@@ -1066,3 +1134,29 @@ def rms_norm_backward(dout, x, weight, rstd):
     _rms_norm_backward_kernel(_np(dout.reshape(-1, d), ct), _np(x.reshape(-1, d), ct),
                               _np(weight, ct), rstd.numpy(), dx.numpy(), dw.numpy())
     return _as(dx.reshape(x.shape), x.dtype), _as(dw, weight.dtype)
+
+
+def cross_entropy_forward(logits, target):
+    """logits (rows, V), target (rows,) integers in [0, V) -> (mean cross-entropy as a 0-d tensor
+    in the logits' dtype, saved = (exponentials (rows, V), c (rows,), target) for the backward).
+    float32 arithmetic for half logits; the row losses are summed in float64, in row order."""
+    ct = compute_dtype(logits.dtype)
+    n, V = logits.shape
+    t = _np(target, torch.int64)
+    if n and (t.min() < 0 or t.max() >= V):
+        raise IndexError(f"cross-entropy target out of range: targets must lie in [0, {V})")
+    ex = torch.empty((n, V), dtype=ct)
+    c = torch.empty(n, dtype=ct)
+    loss_rows = np.empty(n, dtype=np.float64 if ct == torch.float64 else np.float32)
+    _cross_entropy_forward_kernel(_np(logits, ct), t, _set_threads(), loss_rows, ex.numpy(), c.numpy())
+    loss = loss_rows.sum(dtype=np.float64) / n if n else math.nan
+    return torch.tensor(loss, dtype=logits.dtype), (ex, c, _as(target, torch.int64))
+
+
+def cross_entropy_backward(dloss, saved, dtype):
+    """The upstream gradient dloss (0-d) -> dlogits (rows, V) in `dtype`."""
+    ex, c, target = saved
+    dx = torch.empty(ex.shape, dtype=ex.dtype)
+    _cross_entropy_backward_kernel(ex.numpy(), c.numpy(), target.numpy(), ex.numpy().dtype.type(float(dloss)),
+                                   _set_threads(), dx.numpy())
+    return _as(dx, dtype)

@@ -92,3 +92,9 @@ def conv_silu_ref(x, weight, bias=None):
 def rms_norm_ref(x, weight, eps):
     """RMSNorm over the last dimension: x * rsqrt(mean(x^2) + eps) * weight. Autograd flows."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def cross_entropy_ref(logits, target):
+    """The language-model loss: mean cross-entropy of logits (rows, V) against target (rows,)
+    (PyTorch's, no ignored index). Autograd flows."""
+    return F.cross_entropy(logits, target)
