@@ -4,7 +4,8 @@
                                       [--top 15] [--threads 2]
 
 Seed configuration (d_model 96, 2 layers, d_state 16, L 128, vocabulary 512, fp32),
-one step = forward, cross-entropy, backward, AdamW step, on fixed random batches;
+one step = forward, cross-entropy, backward, AdamW step (PyTorch's fused AdamW, as the
+trainer runs it; sonata's model with its own loss kernel), on fixed random batches;
 warm-up steps run before the profiler starts. Models: sonata with a scan backend
 (`cpu`, `reference`), `free` (sonata's model with its scan swapped for the O(B.L.D)
 stand-in of `sonata.peers.free_scan`), `mambapy` (the peer) and `peer-free` (the peer

@@ -5,10 +5,12 @@
 Seed configuration: d_model 96, 2 layers, d_state 16, seq_len 128, vocabulary 512,
 fp32. The scan-free peer (`peer-free`) is mambapy's model with its scan replaced by an
 O(batch * L * d_inner) stand-in (sonata.peers.free_scan): what a step costs with the scan
-for free. One training step = forward, cross-entropy, backward, AdamW step. Warm-up
-steps are excluded; models are measured in interleaved rounds (the order rotating from
-round to round); tokens/s is the median round, and each ratio the median of the ratios
-taken within a round, so the machine's drift between rounds cancels. Also: bytes saved for
+for free. One training step = forward, cross-entropy, backward, AdamW step (PyTorch's fused
+AdamW for every model, as sonata's trainer runs it; sonata's model with its own loss kernel,
+the peers with PyTorch's). Warm-up steps are excluded; models are measured in interleaved
+rounds (the order rotating from round to round); tokens/s is the median round, and each
+ratio the median of the ratios taken within a round, so the machine's drift between rounds
+cancels. Also: bytes saved for
 backward per token (activations kept by autograd, parameters excluded), measured
 with torch.autograd.graph.saved_tensors_hooks. Then the same micro-batches through
 sonata's trainer and benchmark harness (benchmarks/validity.py): each figure with its
