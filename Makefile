@@ -41,9 +41,10 @@ lab: $(STAMP)
 	@.ci/lab $(BIN)/python $(CURDIR)
 
 # nbval re-runs each notebook at its defaults, but not the two whose default is a long
-# training run: notebook 01 (180 s; `make train` is that run) and notebook 07 (11 runs of
-# 10 minutes). tests/test_notebooks.py runs both under papermill with short budgets, the
-# rest of their defaults kept, and checks notebook 01's nbval-checked cells.
+# training run: notebook 01 (1,500 steps, 1-3 minutes; `make train` is that run) and
+# notebook 07 (11 runs of 10 minutes). tests/test_notebooks.py runs both under papermill
+# with short budgets, the rest of their defaults kept, and checks notebook 01's
+# nbval-checked cells.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 	$(BIN)/python -m pytest -q --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider \
