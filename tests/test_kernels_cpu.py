@@ -8,6 +8,9 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -269,6 +272,33 @@ def test_deterministic(nan_empty):
     seed = new_seed()
     t, kw = make_inputs(seed, 3, 200, 16, 300)
     assert_same_on_repeat_and_threads(seed, t, kw, run)
+
+
+def test_lanes_follow_the_machine_and_the_setting(monkeypatch):
+    """The scan's lanes: two vector registers of float32 (32 with AVX-512, 16 otherwise), or
+    SONATA_CPU_LANES; a value other than 16 or 32 is refused with a one-line reason (an
+    ImportError: the dispatcher reports it as the reason of a fallback)."""
+    expected = os.environ.get("SONATA_CPU_LANES") or ("32" if cpu._vector_bits() == 512 else "16")
+    assert cpu.W == int(expected) and cpu.WC == 16
+    monkeypatch.setattr(cpu, "LANES_OVERRIDE", "64")
+    with pytest.raises(ImportError, match=r"SONATA_CPU_LANES='64': use 16 or 32"):
+        cpu._lanes_setting(16)
+
+
+@pytest.mark.skipif(bool(os.environ.get("SONATA_CPU_LANES")), reason="already the child run")
+def test_other_lane_width_matches_reference(tmp_path):
+    """The scan kernels at the width this machine does not use by default (16 on an AVX-512
+    host, 32 elsewhere), in a fresh process, on the model's path: the delta projection, u and
+    the output's gradient time-major, 40 channels (a partial last block at either width),
+    against the float64 reference. So both widths are checked on any machine (the whole file
+    runs at the other width with SONATA_CPU_LANES set; one case here: it compiles the kernels
+    again, about 20 s)."""
+    other = "16" if cpu.W == 32 else "32"
+    tests = "test_lanes_follow_the_machine_and_the_setting or test_delta_projection_matches_reference and model-like"
+    env = {**os.environ, "SONATA_CPU_LANES": other, "NUMBA_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and re.search(r"\b2 passed", r.stdout), r.stdout[-3000:] + r.stderr[-2000:]
 
 
 def test_saved_state_is_chunked():

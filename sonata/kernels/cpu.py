@@ -11,7 +11,8 @@ Semantics are exactly those of `selective_scan_ref` (sonata/kernels/reference.py
     out  = y * silu(z)                                    (z optional)
 
 Layout: channels in lanes. B_t and C_t are shared by all channels of a sequence,
-so the kernels work on blocks of W = 16 consecutive channels of one sequence and
+so the kernels work on blocks of W consecutive channels of one sequence (W = 16 with AVX2,
+32 with AVX-512: two vector registers, see `W` below) and
 keep the state of a block as h[n, w] (N x W): per time step and state entry n,
 
     h[n, :] = exp(dt_t[:] * A[:, n]) * h[n, :] + (dt_t u_t)[:] * B_t[n]
@@ -97,32 +98,70 @@ on first use) and cached on disk (`cache=True`, NUMBA_CACHE_DIR is honoured).
 from __future__ import annotations
 
 import math
+import os
 import threading
 
 import numba
 import numpy as np
 import torch
 from llvmlite import ir
+from llvmlite.binding import get_host_cpu_features
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from sonata.kernels.reference import compute_dtype
 
 # Time steps between saved states. The backward's per-thread scratch is about
-# 2 * CHUNK * N * W floats (states and decays of a block): 256 KiB at N = 16, in L2.
+# 2 * CHUNK * N * W floats (states and decays of a block): 256 KiB at N = 16 and W = 16,
+# 512 KiB at W = 32 (AVX-512 hosts; the one measured has 1 MiB of L2 per core), in L2.
 # Longer chunks spread the per-chunk costs (copies in and out of the lane buffers).
 CHUNK = 128
-# Channels per block: the lanes of the kernels' vector loops (16 float32 = one AVX-512
-# register). A work item is one block of W channels of one sequence; the partition
-# depends only on the shapes, so results do not depend on the threads.
-W = 16
+
+LANES_OVERRIDE = os.environ.get("SONATA_CPU_LANES", "")
+
+
+def _vector_bits() -> int:
+    """Width of the vector registers numba compiles for: 512 with AVX-512, else 256 (AVX2;
+    narrower machines just run the same loops in more pieces). The host's, unless numba is
+    told to compile for another CPU (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES)."""
+    if numba.config.CPU_NAME or numba.config.CPU_FEATURES:
+        features = numba.config.CPU_FEATURES or ""
+    else:
+        features = get_host_cpu_features().flatten()
+    return 512 if "+avx512f" in features.split(",") else 256
+
+
+def _lanes_setting(default: int) -> int:
+    """SONATA_CPU_LANES (16 or 32) overrides the scan's lanes, e.g. to test or measure the
+    other width on one machine. The kernels then compile in the process and skip the disk
+    cache (numba's cache does not key on a module constant: it would hand back the kernels of
+    the machine's default width, or keep these for later processes)."""
+    value = LANES_OVERRIDE
+    if value == "":
+        return default
+    if value not in ("16", "32"):     # an ImportError: the dispatcher names it as a fallback's reason
+        raise ImportError(f"SONATA_CPU_LANES={value!r}: use 16 or 32 (or leave it unset)")
+    return int(value)
+
+
+# Channels per block of the scan kernels: the lanes of their vector loops, two vector
+# registers of float32 (16 with AVX2, 32 with AVX-512). Per (time step, state) the kernels
+# also broadcast B and C, run the loop and, in the backward, reduce dB and dC over the lanes;
+# two registers per row spread that over twice the channels of one. Measured on an AVX-512
+# host, 32 lanes against 16: the training step 1.05-1.08x at micro-batch 8 and 1.05x at 32
+# (64 lanes: 1.00x). A work item is one block of W channels of one sequence; the partition
+# depends only on the shapes (and W), so results do not depend on the threads.
+W = _lanes_setting(32 if _vector_bits() == 512 else 16)
+# The lanes of the conv and loss kernels: 16 on every machine (the conv measured slower
+# with 32).
+WC = 16
 # Target number of (batch, group of channel blocks) work items in the backward; the dB / dC
 # partials are (batch, n_groups, L, N) with n_groups <= ceil(WORK_ITEMS / batch).
 WORK_ITEMS = 64
 
 # error_model="numpy": float division by zero gives inf/nan instead of a Python
 # exception, whose check would also block vectorization.
-_jit = dict(cache=True, nogil=True, error_model="numpy")
+_jit = dict(cache=LANES_OVERRIDE == "", nogil=True, error_model="numpy")
 # The kernels' loops over the W lanes may reassociate their sums (the lane reductions
 # of dB, dC) and fuse multiply-adds, so that they vectorize (AVX2 / AVX-512). The order
 # is fixed at compile time: results stay bit-identical from call to call. No 'nnan'/'ninf':
@@ -651,7 +690,7 @@ def _backward_kernel(dout, dout_tm, dlast, u, u_tm, delta, dtw, A, Bt, Ct, D, z,
 #   c[b, d, t] = bias[d] + sum_k w[d, k] x[b, t - K + 1 + k, d]   (x = 0 before t = 0)
 #   u = silu(c), written channel-major (batch, dim, L): the layout the scan reads.
 # x arrives in the model's (batch, L, dim) layout (a slice of in_proj's output, read in place).
-# A work item (one sequence, a block of W channels) copies its channels into rows of a buffer
+# A work item (one sequence, a block of WC channels) copies its channels into rows of a buffer
 # with K - 1 zeros in front, so that every loop over time reads contiguous memory and
 # vectorizes: one expression and one store per step (K = 4, the usual kernel, has its taps
 # written out; other K loop over the taps). The backward recomputes c (cheaper than saving
@@ -664,12 +703,12 @@ def _backward_kernel(dout, dout_tm, dlast, u, u_tm, delta, dtw, A, Bt, Ct, D, z,
 
 @njit(**_inline)
 def _conv_item(item, n_blocks, x, K, xb):
-    """Work item -> (sequence b, first channel d0, channels nw) of its block of W channels,
+    """Work item -> (sequence b, first channel d0, channels nw) of its block of WC channels,
     with the block's input rows loaded into xb (xb[v, K - 1 + t] = x[b, t, d0 + v], with K - 1
     zeros in front)."""
     b = item // n_blocks
-    d0 = (item - b * n_blocks) * W
-    nw = min(W, x.shape[2] - d0)
+    d0 = (item - b * n_blocks) * WC
+    nw = min(WC, x.shape[2] - d0)
     zero = xb.dtype.type(0)
     for v in range(nw):
         for i in range(K - 1):
@@ -679,16 +718,16 @@ def _conv_item(item, n_blocks, x, K, xb):
 
 
 # The transpositions between the model's (batch, L, dim) layout and a block's channel rows.
-# The loop over the block's channels has W iterations, written as the constant W when the
+# The loop over the block's channels has WC iterations, written as the constant WC when the
 # block is full: with the run-time count nw, LLVM vectorized the loop of a parallel kernel
-# into code that measured 3.6-4.3x slower than the same loop over a constant W.
+# into code that measured 3.6-4.3x slower than the same loop over a constant WC.
 
 @njit(**_inline)
 def _to_rows(x, b, d0, nw, off, rows):
     """rows[v, off + t] = x[b, t, d0 + v] for v < nw."""
-    if nw == W:
+    if nw == WC:
         for t in range(x.shape[1]):
-            for v in range(W):
+            for v in range(WC):
                 rows[v, off + t] = x[b, t, d0 + v]
     else:
         for t in range(x.shape[1]):
@@ -699,9 +738,9 @@ def _to_rows(x, b, d0, nw, off, rows):
 @njit(**_inline)
 def _from_rows(rows, x, b, d0, nw):
     """x[b, t, d0 + v] = rows[v, t] for v < nw."""
-    if nw == W:
+    if nw == WC:
         for t in range(x.shape[1]):
-            for v in range(W):
+            for v in range(WC):
                 x[b, t, d0 + v] = rows[v, t]
     else:
         for t in range(x.shape[1]):
@@ -726,12 +765,12 @@ def _conv_silu_forward_kernel(x, z, w, bias, n_workers, out, zout):
     # zout: (batch, dim, L)
     batch, L, dim = x.shape
     K = w.shape[1]
-    n_blocks = -(-dim // W)
+    n_blocks = -(-dim // WC)
     one = x.dtype.type(1)
     queue = np.zeros(1, dtype=np.int64)
     for _w in prange(n_workers):
-        xb = np.empty((W, L + K - 1), dtype=x.dtype)
-        ub = np.empty((W, L), dtype=x.dtype)
+        xb = np.empty((WC, L + K - 1), dtype=x.dtype)
+        ub = np.empty((WC, L), dtype=x.dtype)
         item = _take(queue)
         while item < batch * n_blocks:
             b, d0, nw = _conv_item(item, n_blocks, x, K, xb)
@@ -754,15 +793,15 @@ def _conv_silu_backward_kernel(dout, dout_tm, dz, x, w, bias, n_workers, dx, dzx
     # dw_part: (batch, dim, K)   db_part: (batch, dim)
     batch, L, dim = x.shape
     K = w.shape[1]
-    n_blocks = -(-dim // W)
+    n_blocks = -(-dim // WC)
     one = x.dtype.type(1)
     zero = x.dtype.type(0)
     queue = np.zeros(1, dtype=np.int64)
     for _w in prange(n_workers):
-        xb = np.empty((W, L + K - 1), dtype=x.dtype)
-        gb = np.empty((W, L + K - 1), dtype=x.dtype)     # dc, K - 1 zeros after it
-        dxb = np.empty((W, L), dtype=x.dtype)
-        drows = np.empty((W, L), dtype=x.dtype)
+        xb = np.empty((WC, L + K - 1), dtype=x.dtype)
+        gb = np.empty((WC, L + K - 1), dtype=x.dtype)     # dc, K - 1 zeros after it
+        dxb = np.empty((WC, L), dtype=x.dtype)
+        drows = np.empty((WC, L), dtype=x.dtype)
         item = _take(queue)
         while item < batch * n_blocks:
             b, d0, nw = _conv_item(item, n_blocks, x, K, xb)
@@ -860,7 +899,7 @@ def _rms_norm_backward_kernel(dout, x, w, rstd, dx, dw):
 # (rows, V) runs, and each pass reads and writes the (rows, V) data once (PyTorch's loss makes
 # five such passes). Parallel over blocks of rows from the work queue; each row is computed by
 # one thread in a fixed order, and the glue sums the row losses in order: the same for any
-# number of threads. The row maximum runs lane-wise over W lanes (a max reduction into one
+# number of threads. The row maximum runs lane-wise over WC lanes (a max reduction into one
 # running value does not vectorize). NaN logits give NaN (the maximum skips them, the
 # exponentials do not).
 CE_ROWS = 16
@@ -873,21 +912,21 @@ def _cross_entropy_forward_kernel(logits, target, n_workers, loss_rows, ex, c):
     queue = np.zeros(1, np.int64)
     zero, one = logits.dtype.type(0), logits.dtype.type(1)
     for _ in prange(n_workers):
-        lanes = np.empty(W, logits.dtype)
+        lanes = np.empty(WC, logits.dtype)
         item = _take(queue)
         while item < n_items:
             for i in range(item * CE_ROWS, min(n, (item + 1) * CE_ROWS)):
                 x, e = logits[i], ex[i]
-                for w in range(W):
+                for w in range(WC):
                     lanes[w] = x[0]
-                for j0 in range(0, V - W + 1, W):
-                    for w in range(W):
+                for j0 in range(0, V - WC + 1, WC):
+                    for w in range(WC):
                         v = x[j0 + w]
                         lanes[w] = v if v > lanes[w] else lanes[w]
                 m = lanes[0]
-                for j in range(V - V % W, V):
+                for j in range(V - V % WC, V):
                     m = x[j] if x[j] > m else m
-                for w in range(1, W):
+                for w in range(1, WC):
                     m = lanes[w] if lanes[w] > m else m
                 s = zero
                 for j in range(V):
