@@ -95,6 +95,7 @@ def rms_norm_ref(x, weight, eps):
 
 
 def cross_entropy_ref(logits, target):
-    """The language-model loss: mean cross-entropy of logits (rows, V) against target (rows,)
-    (PyTorch's, no ignored index). Autograd flows."""
+    """The language-model loss: mean cross-entropy of logits (rows, V) against target (rows,),
+    PyTorch's. Autograd flows. (PyTorch skips targets of -100; the fused cpu loss has no ignored
+    index and refuses them, as every target outside [0, V): sonata's targets are token ids.)"""
     return F.cross_entropy(logits, target)
