@@ -292,7 +292,7 @@ def test_other_lane_width_matches_reference(tmp_path):
     the output's gradient time-major, 40 channels (a partial last block at either width),
     against the float64 reference. So both widths are checked on any machine (the whole file
     runs at the other width with SONATA_CPU_LANES set; one case here: it compiles the kernels
-    again, about 20 s)."""
+    again, about 40 s)."""
     other = "16" if cpu.W == 32 else "32"
     tests = "test_lanes_follow_the_machine_and_the_setting or test_delta_projection_matches_reference and model-like"
     env = {**os.environ, "SONATA_CPU_LANES": other, "NUMBA_CACHE_DIR": str(tmp_path)}

@@ -112,7 +112,7 @@ def test_notebook_01_takes_the_defaults_of_real_text(tmp_path):
 def test_notebook_01_defaults_print_the_committed_outputs(tmp_path):
     """Notebook 01 at its defaults, but a 1 s budget: the cells tagged nbval-check-output
     (the corpus summary and the model with its parameter count) print what the committed
-    notebook shows. nbval does not run notebook 01 (its default is 180 s of training)."""
+    notebook shows. nbval does not run notebook 01 (its default is 1,500 steps of training)."""
     name = "01_train_tinystories.ipynb"
     nb, _ = _run(name, tmp_path, tiny=False, max_seconds=1.0)
 

@@ -896,8 +896,7 @@ def _rms_norm_backward_kernel(dout, x, w, rstd, dx, dw):
 #   dloss/dx_ij = g (exp(x_ij - m_i) / (rows s_i) - [j == t_i] / rows)   (g: upstream gradient)
 # The forward keeps the exponentials (rows, V) and c_i = 1 / (rows s_i); the backward is one
 # pass, exp * (c_i g), minus g / rows at the target. No log-softmax, zero fill or scatter of
-# (rows, V) runs, and each pass reads and writes the (rows, V) data once (PyTorch's loss makes
-# five such passes). Parallel over blocks of rows from the work queue; each row is computed by
+# (rows, V) runs (PyTorch's loss runs each of those and the log-softmax's backward). Parallel over blocks of rows from the work queue; each row is computed by
 # one thread in a fixed order, and the glue sums the row losses in order: the same for any
 # number of threads. The row maximum runs lane-wise over WC lanes (a max reduction into one
 # running value does not vectorize). NaN logits give NaN (the maximum skips them, the
@@ -1181,7 +1180,8 @@ def cross_entropy_forward(logits, target):
     float32 arithmetic for half logits; the row losses are summed in float64, in row order."""
     ct = compute_dtype(logits.dtype)
     n, V = logits.shape
-    t = _np(target, torch.int64)
+    target = _as(target, torch.int64)
+    t = target.detach().numpy()
     if n and (t.min() < 0 or t.max() >= V):
         raise IndexError(f"cross-entropy target out of range: targets must lie in [0, {V})")
     ex = torch.empty((n, V), dtype=ct)
@@ -1189,7 +1189,7 @@ def cross_entropy_forward(logits, target):
     loss_rows = np.empty(n, dtype=np.float64 if ct == torch.float64 else np.float32)
     _cross_entropy_forward_kernel(_np(logits, ct), t, _set_threads(), loss_rows, ex.numpy(), c.numpy())
     loss = loss_rows.sum(dtype=np.float64) / n if n else math.nan
-    return torch.tensor(loss, dtype=logits.dtype), (ex, c, _as(target, torch.int64))
+    return torch.tensor(loss, dtype=logits.dtype), (ex, c, target)
 
 
 def cross_entropy_backward(dloss, saved, dtype):
