@@ -2,9 +2,12 @@
 
     selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None,
                    delta_softplus=False, return_last_state=False, backend="auto",
-                   delta_proj=None)
+                   delta_proj=None, initial_state=None)
 
-`delta_proj` (d_inner, R), when given, makes `delta` the (batch, L, R) input of the model's
+`initial_state` (batch, d_inner, N), when given, is the state before the first step (mamba_ssm
+has no such argument; zeros when None), and it receives a gradient: with `return_last_state`
+a long sequence runs chunk by chunk, each chunk starting from the last one's final state, and
+gives what one pass over the whole sequence gives. `delta_proj` (d_inner, R), when given, makes `delta` the (batch, L, R) input of the model's
 delta projection: the scan's delta is (delta @ delta_proj.T).transpose(1, 2). The `cpu`
 kernels compute that product block by block inside the scan (and its gradients in the
 backward), so no (batch, d_inner, L) delta is ever stored or transposed; the other backends
@@ -124,7 +127,8 @@ def resolve_backend(backend: str, u: torch.Tensor) -> tuple[str, str | None]:
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None,
-                   delta_softplus=False, return_last_state=False, backend="auto", delta_proj=None):
+                   delta_softplus=False, return_last_state=False, backend="auto", delta_proj=None,
+                   initial_state=None):
     name, reason = resolve_backend(backend, u)
     if reason is not None:
         _record_fallback(reason)
@@ -132,9 +136,10 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None,
         delta, delta_proj = project_delta(delta, delta_proj), None
     if name == "reference":
         return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
-                                  return_last_state)
+                                  return_last_state, initial_state)
     impl, _ = _load(name)
-    out, last_state = fused_scan(impl, u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj)
+    out, last_state = fused_scan(impl, u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj,
+                                 initial_state)
     return (out, last_state) if return_last_state else out
 
 

@@ -6,7 +6,7 @@ Semantics are exactly those of `selective_scan_ref` (sonata/kernels/reference.py
 
     dt_t = softplus(delta_t + delta_bias)   (bias and softplus optional)
     a_t  = exp(dt_t * A)                                  # (N,) per channel
-    h_t  = a_t * h_{t-1} + dt_t * u_t * B_t               # h_{-1} = 0
+    h_t  = a_t * h_{t-1} + dt_t * u_t * B_t               # h_{-1} = initial state, or 0
     y_t  = C_t . h_t + D * u_t
     out  = y * silu(z)                                    (z optional)
 
@@ -403,11 +403,12 @@ def _block_params(A, D, dtw, d0, nw, Ab, Db, Wb):
 # --------------------------------------------------------------------------- forward
 
 @njit(parallel=True, **_vec)
-def _forward_kernel(u, u_tm, delta, dtw, A, Bt, Ct, D, z, delta_bias, softplus, has_z, chunk,
-                    n_workers, out, last_state, ckpt):
+def _forward_kernel(u, u_tm, delta, dtw, A, Bt, Ct, D, z, delta_bias, softplus, has_z, h0, has_h0,
+                    chunk, n_workers, out, last_state, ckpt):
     # u: (batch, dim, L), or time-major (batch, L, dim) when u_tm   z: (batch, dim, L)
     # delta: (batch, dim, L), or (batch, L, R) with dtw (dim, R), R > 0 (the delta projection;
     # dtw (dim, 0) without)   A: (dim, N)   Bt, Ct: (batch, L, N)   D, delta_bias: (dim,)
+    # h0: (batch, dim, N), the state before the first step when has_h0 (else zeros)
     # out: time-major (batch, L, dim)   last_state: (batch, dim, N)   ckpt: (batch, dim, n_chunks, N)
     batch, L, N = Bt.shape
     dim = A.shape[0]
@@ -430,6 +431,10 @@ def _forward_kernel(u, u_tm, delta, dtw, A, Bt, Ct, D, z, delta_bias, softplus, 
             nw = min(W, dim - d0)
             _block_params(A, D, dtw, d0, nw, Ab, Db, Wb)
             h[:] = 0
+            if has_h0:
+                for n in range(N):
+                    for w in range(nw):
+                        h[n, w] = h0[b, d0 + w, n]
             for c in range(ckpt.shape[2]):
                 for w in range(nw):
                     for n in range(N):
@@ -531,14 +536,15 @@ def _reduce_partials(dA_part, dD_part, ddb_part, dW_part, dB_part, dC_part, dX_p
 @njit(parallel=True, **_vec)
 def _backward_kernel(dout, dout_tm, dlast, u, u_tm, delta, dtw, A, Bt, Ct, D, z, delta_bias,
                      softplus, has_z, chunk, ckpt, n_groups, n_workers,
-                     du, ddelta, dz, dA, dB, dC, dD, ddb, dW, dX):
+                     du, ddelta, dz, dA, dB, dC, dD, ddb, dW, dX, dh0, want_dh0):
     # dout, u: (batch, dim, L), or time-major (batch, L, dim) when dout_tm / u_tm
     # z, dz: (batch, dim, L)   du: time-major (batch, L, dim)   dlast: (batch, dim, N)
     # delta, ddelta: (batch, dim, L); or with the delta projection (dtw (dim, R), R > 0) delta is
     # (batch, L, R), its gradient goes to dX (batch, L, R) and dtw's to dW (dim, R), and
     # ddelta is not written (with R = 0, dX and dW are not written)
     # A, dA: (dim, N)   Bt, Ct: (batch, L, N)   dB, dC: (batch, N, L)
-    # D, delta_bias, dD, ddb: (dim,)   ckpt: (batch, dim, n_chunks, N)
+    # D, delta_bias, dD, ddb: (dim,)   ckpt: (batch, dim, n_chunks, N); its first chunk's state
+    # is the initial state   dh0: (batch, dim, N), the initial state's gradient, when want_dh0
     batch, L, N = Bt.shape
     dim = A.shape[0]
     R = dtw.shape[1]
@@ -671,6 +677,10 @@ def _backward_kernel(dout, dout_tm, dlast, u, u_tm, delta, dtw, A, Bt, Ct, D, z,
                                 dX_blk[t0 + i, r] += sX
                     else:
                         _store_block(ddtb, ddelta, False, b, d0, nw, t0, T)
+                if want_dh0:         # g is a_0 G_0 = dLoss/dh_{-1} after the first step
+                    for w in range(nw):
+                        for n in range(N):
+                            dh0[b, d0 + w, n] = g[n, w]
                 for w in range(nw):
                     for r in range(R):
                         dW_part[b, d0 + w, r] = dWb[r, w]
@@ -1052,14 +1062,16 @@ def _delta_args(delta, delta_proj, ct):
     return _activation(delta, ct), _activation(delta_proj, ct)   # C-contiguous: small copies
 
 
-def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj=None):
+def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj=None, initial_state=None):
     """-> (out (batch, dim, L) in u's dtype, last_state (batch, dim, N) in the compute dtype,
     saved = (checkpoints (batch, dim, n_chunks, N), chunk length as a 0-d tensor)). u may come
     as a (batch, dim, L) tensor or as a transposed view of a (batch, L, dim) one (read in place);
     out is a transposed view of a C-contiguous (batch, L, dim) tensor: the projection after
     the scan reads it without a copy.
     With `delta_proj` (dim, R), `delta` is the (batch, L, R) input of the delta projection and
-    the kernels use delta = (delta @ delta_proj.T).transpose(1, 2), computed block by block."""
+    the kernels use delta = (delta @ delta_proj.T).transpose(1, 2), computed block by block.
+    `initial_state` (batch, dim, N): the state before the first step (zeros when None); the
+    first checkpoint is that state, so the backward needs nothing more to recompute from it."""
     n_workers = _set_threads()
     ct = compute_dtype(u.dtype)
     batch, dim, L = u.shape
@@ -1071,15 +1083,19 @@ def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj=None
     ckpt = torch.empty((batch, dim, n_chunks, N), dtype=ct)
     _forward_kernel(*_either_layout(u, ct), *_delta_args(delta, delta_proj, ct), _np(A, ct), _transposed(B, ct),
                     _transposed(C, ct), _optional(D, ct, (dim,)), _optional(z, ct, (1, 1, 1), _activation),
-                    _optional(delta_bias, ct, (dim,)), bool(delta_softplus), z is not None, chunk,
+                    _optional(delta_bias, ct, (dim,)), bool(delta_softplus), z is not None,
+                    _optional(initial_state, ct, (1, 1, 1), _activation), initial_state is not None, chunk,
                     n_workers, out.numpy(), last_state.numpy(), ckpt.numpy())
     return _as(out, u.dtype).transpose(1, 2), last_state, (ckpt, _chunk_length(chunk))
 
 
-def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, saved, delta_proj=None):
+def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, saved, delta_proj=None,
+             initial_state=None):
     """-> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias), each in its input's dtype
     (None for a None input among D, z, delta_bias); with `delta_proj`, ddelta is the gradient
-    of the (batch, L, R) input and d delta_proj follows as a ninth gradient. dout and u are
+    of the (batch, L, R) input and d delta_proj follows as a ninth gradient; with
+    `initial_state`, its gradient follows last (the state the forward started from is the
+    first saved checkpoint: the tensor itself is not read here). dout and u are
     read in either layout (see `forward`); du comes back as out does, a transposed view of a
     C-contiguous (batch, L, dim) tensor."""
     n_workers = _set_threads()
@@ -1097,6 +1113,7 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
     dC = _empty_like_layout(C, (batch, N, L), ct)
     dD = torch.empty((dim,), dtype=ct)
     ddb = torch.empty((dim,), dtype=ct)
+    dh0 = torch.empty((batch, dim, N) if initial_state is not None else (1, 1, 1), dtype=ct)
     dout_args = (_optional(None, ct, (batch, dim, L)), False) if dout is None else _either_layout(dout, ct)
     _backward_kernel(*dout_args, _optional(dlast, ct, (batch, dim, N)),
                      *_either_layout(u, ct), *_delta_args(delta, delta_proj, ct), _np(A, ct), _transposed(B, ct),
@@ -1104,12 +1121,15 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
                      _optional(delta_bias, ct, (dim,)), bool(delta_softplus), z is not None,
                      int(chunk), _np(ckpt, ct), _n_groups(batch, dim), n_workers,
                      du.numpy(), ddelta.numpy(), dz.numpy(), dA.numpy(), dB.numpy(), dC.numpy(),
-                     dD.numpy(), ddb.numpy(), dW.numpy(), ddelta.numpy() if R else dW.numpy()[None])
+                     dD.numpy(), ddb.numpy(), dW.numpy(), ddelta.numpy() if R else dW.numpy()[None],
+                     dh0.numpy(), initial_state is not None)
     grads = (_as(du, u.dtype).transpose(1, 2), _as(ddelta, delta.dtype), _as(dA, A.dtype), _as(dB, B.dtype), _as(dC, C.dtype),
              None if D is None else _as(dD, D.dtype),
              None if z is None else _as(dz, z.dtype),
              None if delta_bias is None else _as(ddb, delta_bias.dtype))
-    return grads if delta_proj is None else grads + (_as(dW, delta_proj.dtype),)
+    if delta_proj is not None:
+        grads += (_as(dW, delta_proj.dtype),)
+    return grads if initial_state is None else grads + (_as(dh0, initial_state.dtype),)
 
 
 def conv_silu_forward(xz, weight, bias):

@@ -4,7 +4,7 @@ Semantics are exactly those of `selective_scan_ref` (sonata/kernels/reference.py
 
     dt_t = softplus(delta_t + delta_bias)   (bias and softplus optional)
     a_t  = exp(dt_t * A)                                  # (N,) per channel
-    h_t  = a_t * h_{t-1} + dt_t * u_t * B_t               # h_{-1} = 0
+    h_t  = a_t * h_{t-1} + dt_t * u_t * B_t               # h_{-1} = initial state, or 0
     y_t  = C_t . h_t + D * u_t
     out  = y * silu(z)                                    (z optional)
 
@@ -148,11 +148,11 @@ def _step(h, A, dt, u, Bt):
 
 @triton.jit
 def _scan_fwd_kernel(
-    U, DELTA, A, B, C, D, Z, DELTA_BIAS,          # inputs
+    U, DELTA, A, B, C, D, Z, DELTA_BIAS, H0,      # inputs
     OUT, LAST, CKPT,                              # outputs
     d_inner, L, N, n_chunks,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    BLOCK_D: tl.constexpr, N_PAD: tl.constexpr, CHUNK_L: tl.constexpr, ACC: tl.constexpr,
+    HAS_H0: tl.constexpr, BLOCK_D: tl.constexpr, N_PAD: tl.constexpr, CHUNK_L: tl.constexpr, ACC: tl.constexpr,
 ):
     pid_b = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
@@ -176,7 +176,10 @@ def _scan_fwd_kernel(
     state = (pid_b * d_inner + offs_d)[:, None] * N + offs_n[None, :]  # LAST[b, d, n]
     ckpt = (pid_b * d_inner + offs_d)[:, None] * (n_chunks * N) + offs_n[None, :]
 
-    h = tl.zeros((BLOCK_D, N_PAD), dtype=ACC)
+    if HAS_H0:
+        h = _load(H0, state, mask_dn, ACC)                            # the state before step 0
+    else:
+        h = tl.zeros((BLOCK_D, N_PAD), dtype=ACC)
     for c in range(0, n_chunks):
         tl.store(CKPT + ckpt + c * N, h, mask=mask_dn)                # state entering chunk c
         t0 = c * CHUNK_L
@@ -203,9 +206,10 @@ def _scan_bwd_kernel(
     SCRATCH,                                                          # (batch, d_inner, s_len, N)
     DU, DDELTA, DZ,                                                   # gradients, input layout
     DA_PART, DB_PART, DC_PART, DD_PART, DBIAS_PART,                   # partials, summed by torch
+    DH0,                                                              # the initial state's gradient
     d_inner, L, N, n_chunks, n_dblocks, s_len,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    HAS_DOUT: tl.constexpr, HAS_DLAST: tl.constexpr,
+    HAS_DOUT: tl.constexpr, HAS_DLAST: tl.constexpr, HAS_H0: tl.constexpr,
     BLOCK_D: tl.constexpr, N_PAD: tl.constexpr, CHUNK_L: tl.constexpr, ACC: tl.constexpr,
 ):
     pid_b = tl.program_id(0).to(tl.int64)
@@ -299,6 +303,8 @@ def _scan_bwd_kernel(
         tl.debug_barrier()   # the next chunk overwrites the scratch
 
     tl.store(DA_PART + state, dA_acc, mask=mask_dn)
+    if HAS_H0:                                    # g = a_0 g_0 = dLoss/dh_{-1}
+        tl.store(DH0 + state, g, mask=mask_dn)
     if HAS_D:
         tl.store(DD_PART + pid_b * d_inner + offs_d, dD_acc, mask=mask_d)
     if HAS_BIAS:
@@ -373,14 +379,18 @@ def _tl_dtype(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, *, block_d=None, chunk_l=None):
-    """out (batch, d_inner, L) in u's dtype, last_state (batch, d_inner, N), saved = (ckpt,)."""
+def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, *, initial_state=None, block_d=None,
+            chunk_l=None):
+    """out (batch, d_inner, L) in u's dtype, last_state (batch, d_inner, N), saved = (ckpt,).
+    `initial_state` (batch, d_inner, N): the state before the first step (zeros when None); it
+    is the first checkpoint, so the backward recomputes from it like from any other."""
     batch, d_inner, L = u.shape
     N = A.shape[1]
     acc = compute_dtype(u.dtype)
     cfg = launch_config(batch, d_inner, N, L, u.device, block_d, chunk_l)
     n_chunks = triton.cdiv(L, cfg.chunk_l)
     u, delta, A, B, C, D, z, delta_bias = map(_contig, (u, delta, A, B, C, D, z, delta_bias))
+    h0 = None if initial_state is None else initial_state.to(acc).contiguous()
 
     out = _new((batch, d_inner, L), u.dtype, u.device)
     last = _new((batch, d_inner, N), acc, u.device)
@@ -391,11 +401,11 @@ def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, *, block_d=None
     _scan_fwd_kernel[grid](
         u, delta, A, B, C,
         D if D is not None else u, z if z is not None else u,
-        delta_bias if delta_bias is not None else u,
+        delta_bias if delta_bias is not None else u, h0 if h0 is not None else u,
         out, last, ckpt,
         d_inner, L, N, n_chunks,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-        SOFTPLUS=bool(delta_softplus),
+        SOFTPLUS=bool(delta_softplus), HAS_H0=h0 is not None,
         BLOCK_D=cfg.block_d, N_PAD=cfg.n_pad, CHUNK_L=cfg.chunk_l, ACC=_tl_dtype(acc),
         num_warps=cfg.num_warps,
     )
@@ -403,8 +413,9 @@ def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, *, block_d=None
 
 
 def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, saved, *,
-             block_d=None, chunk_l=None):
-    """(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias) in their inputs' dtypes (None if absent)."""
+             initial_state=None, block_d=None, chunk_l=None):
+    """(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias) in their inputs' dtypes (None if absent);
+    with `initial_state` (only its presence and dtype are read), its gradient follows."""
     (ckpt,) = saved
     batch, d_inner, L = u.shape
     N = A.shape[1]
@@ -429,6 +440,7 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
     dC_part = _new((batch, n_dblocks, L, N), acc, dev)
     dD_part = _new((batch, d_inner), acc, dev) if D is not None else None
     dbias_part = _new((batch, d_inner), acc, dev) if delta_bias is not None else None
+    dh0 = _new((batch, d_inner, N), acc, dev) if initial_state is not None else None
 
     if batch * d_inner > 0:
         grid = (batch, n_dblocks)
@@ -442,14 +454,16 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
             dA_part, dB_part, dC_part,
             dD_part if dD_part is not None else dA_part,
             dbias_part if dbias_part is not None else dA_part,
+            dh0 if dh0 is not None else dA_part,
             d_inner, L, N, n_chunks, n_dblocks, s_len,
             HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
             SOFTPLUS=bool(delta_softplus), HAS_DOUT=dout is not None, HAS_DLAST=dlast is not None,
+            HAS_H0=dh0 is not None,
             BLOCK_D=cfg.block_d, N_PAD=cfg.n_pad, CHUNK_L=cfg.chunk_l, ACC=_tl_dtype(acc),
             num_warps=cfg.num_warps,
         )
     else:  # nothing to launch: every gradient is an empty or zero sum
-        for t in (dA_part, dB_part, dC_part, dD_part, dbias_part):
+        for t in (dA_part, dB_part, dC_part, dD_part, dbias_part, dh0):
             if t is not None:
                 t.zero_()
 
@@ -459,7 +473,10 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
     dC = dC_part.sum(1).transpose(1, 2).to(C.dtype).contiguous()
     dD = dD_part.sum(0).to(D.dtype) if D is not None else None
     ddelta_bias = dbias_part.sum(0).to(delta_bias.dtype) if delta_bias is not None else None
-    return du, ddelta, dA, dB, dC, dD, dz, ddelta_bias
+    grads = (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias)
+    if dh0 is None:
+        return grads
+    return grads + (dh0.to(initial_state.dtype),)
 
 
 # Whether these kernels run in Triton's CPU interpreter: fixed when triton was
