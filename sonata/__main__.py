@@ -6,6 +6,7 @@
     python -m sonata bench [--steps N] [--json] [key=value ...]
     python -m sonata generate CHECKPOINT|DIR [--prompt TEXT] [--n N] [--max-new-tokens N]
     python -m sonata eval CHECKPOINT|DIR --text FILE [--json] [--device auto|cpu|cuda]
+    python -m sonata eval CHECKPOINT --lengths L,L,... [--n N] [--n-long N] [--budget-s S] [--json]
     python -m sonata export CHECKPOINT --hf DIR
 
 A user mistake (unknown key, bad value, missing or corrupt file, empty corpus,
@@ -74,10 +75,19 @@ def _parser() -> argparse.ArgumentParser:
     ge.add_argument("--temperature", type=float, default=0.8)
     ge.add_argument("--top-k", type=int, default=40)
     ge.add_argument("--seed", type=int, default=0)
-    ev = sub.add_parser("eval", help="validation loss and bits per byte of a checkpoint on a UTF-8 text file")
+    ev = sub.add_parser("eval", help="validation loss and bits per byte of a checkpoint on a UTF-8 text file; "
+                                     "a synthetic task's checkpoint: accuracy per test length")
     ev.add_argument("checkpoint")
-    ev.add_argument("--text", required=True, metavar="FILE",
+    ev.add_argument("--text", metavar="FILE",
                     help="UTF-8 text; stories separated by <|endoftext|> (or one story)")
+    ev.add_argument("--lengths", metavar="L,L,...",
+                    help="a task checkpoint: test lengths, e.g. 64,256,1024 (2^k: 64,...,1048576)")
+    ev.add_argument("--n", type=int, default=256, help="sequences per test length up to 65,536 (default 256)")
+    ev.add_argument("--n-long", type=int, default=32, help="sequences per test length above 65,536 (default 32)")
+    ev.add_argument("--seed", type=int, default=1234, help="the test sequences' seed (default 1234)")
+    ev.add_argument("--budget-s", type=float, default=0.0,
+                    help="skip a length whose estimated time passes this many seconds, and the longer ones "
+                         "(default 0: run every length)")
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
     ev.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
     ex = sub.add_parser("export", help="write a checkpoint as a transformers MambaForCausalLM folder")
@@ -127,9 +137,9 @@ def cmd_train(args) -> int:
     summary = trainer.run()
     if not distributed.is_main():
         return 0
-    keys = ("steps", "tokens", "val_loss", "val_bpb", "tok_per_s_sustained", "backend", "fallbacks",
+    keys = ("steps", "tokens", "val_loss", "val_bpb", "val_acc", "tok_per_s_sustained", "backend", "fallbacks",
             "train_seconds", "stopped_by")
-    print(json.dumps({k: summary[k] for k in keys}))
+    print(json.dumps({k: summary[k] for k in keys if k in summary}))
     print(f"wrote {out}/metrics.jsonl, {out}/checkpoint.pt and {out}/summary.json")
     return 0
 
@@ -206,11 +216,13 @@ def torch_threads() -> int:
 
 
 def cmd_generate(args) -> int:
-    from sonata.generate import load_model, stream_text
+    from sonata.generate import load_text_model, stream_text
 
     if args.n < 1 or args.max_new_tokens < 0:
         raise SonataError("--n must be >= 1 and --max-new-tokens >= 0")
-    model, vocab, _ = load_model(args.checkpoint)
+    model, vocab, cfg = load_text_model(args.checkpoint)
+    if cfg.model.arch != "mamba":
+        raise SonataError(f"generation needs a Mamba model (model.arch=mamba); this one is {cfg.model.arch!r}")
     for i in range(args.n):             # streamed: each piece printed as soon as it is sampled
         print(f"--- sample {i + 1}\n{args.prompt}", end="", flush=True)
         for piece in stream_text(model, vocab, args.prompt, args.max_new_tokens, args.temperature,
@@ -229,6 +241,10 @@ def cmd_eval(args) -> int:
         raise SonataError(f"--device must be auto, cpu or cuda, not {args.device!r}")
     device = resolve_device(args.device)
     model, vocab, cfg = load_model(args.checkpoint, device)
+    if cfg.task.name:
+        return _eval_task(args, model, cfg)
+    if args.text is None:
+        raise SonataError("eval needs --text FILE for a language model (--lengths is for task checkpoints)")
     r = evaluate_file(model, vocab, args.text, cfg.data.seq_len)
     if args.json:
         print(json.dumps({"loss": r.loss, "bpb": r.bpb, "tokens": r.tokens, "bytes": r.bytes,
@@ -241,11 +257,50 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _eval_task(args, model, cfg) -> int:
+    """Accuracy per test length of a synthetic task's checkpoint (one line per length as it is
+    done, or one JSON object)."""
+    from sonata.tasks import accuracy_by_length, make_task
+
+    task = make_task(cfg.task)
+    if args.text is not None:
+        raise SonataError(f"{args.checkpoint} is a model of the task {task.name!r}: score it with --lengths, not --text")
+    try:
+        lengths = [int(v) for v in (args.lengths or str(cfg.data.seq_len)).split(",") if v.strip()]
+    except ValueError:
+        raise SonataError(f"--lengths must be comma-separated integers, not {args.lengths!r}") from None
+    if not lengths or min(lengths) < task.min_length:
+        raise SonataError(f"--lengths: each length must be at least {task.min_length} for the task {task.name!r}")
+    if args.n < 1 or args.n_long < 1 or args.budget_s < 0:
+        raise SonataError("--n and --n-long must be >= 1 and --budget-s >= 0")
+    if not args.json:
+        print(f"{args.checkpoint}: task {task.name}, model.arch={cfg.model.arch}, trained at length "
+              f"{cfg.data.seq_len:,}; chance {task.chance():.4f}")
+
+    def show(r):
+        if args.json:
+            return
+        if r["accuracy"] is None:
+            print(f"length {r['length']:>9,}: {r['note']}", flush=True)
+        else:
+            print(f"length {r['length']:>9,}: accuracy {r['accuracy']:.4f} on {r['sequences']} sequences, "
+                  f"loss {r['loss']:.4f}, {r['seconds']:.1f} s, peak resident {r['peak_rss_mib']:,} MiB",
+                  flush=True)
+    rows = accuracy_by_length(model, task, lengths, args.n, args.n_long, args.seed, args.budget_s, on_row=show)
+    if args.json:
+        print(json.dumps({"task": task.name, "arch": cfg.model.arch, "train_length": cfg.data.seq_len,
+                          "chance": task.chance(), "rows": rows}))
+    return 0
+
+
 def cmd_export(args) -> int:
-    from sonata.generate import load_model
+    from sonata.generate import load_text_model
     from sonata.hf import export_hf
 
-    model, vocab, cfg = load_model(args.checkpoint)
+    model, vocab, cfg = load_text_model(args.checkpoint)
+    if cfg.model.arch != "mamba":
+        raise SonataError(f"only a Mamba model (model.arch=mamba) exports as MambaForCausalLM; this one is "
+                          f"{cfg.model.arch!r}")
     out = export_hf(model, vocab, args.hf, cfg)
     print(f"wrote {out}: config.json, model.safetensors, generation_config.json, vocab.json, README.md "
           f"({model.num_params():,} parameters; load with transformers.MambaForCausalLM.from_pretrained)")

@@ -17,8 +17,12 @@ from sonata.errors import ConfigError
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 
 
+ARCHS = ("mamba", "lti", "attention")
+
+
 @dataclass
 class ModelConfig:
+    arch: str = "mamba"         # mamba | lti (time-invariant ablation: delta, B, C parameters) | attention (RoPE)
     d_model: int = 96
     n_layers: int = 2
     d_state: int = 16
@@ -34,6 +38,7 @@ class ModelConfig:
     a_constraint: bool = False  # after each optimizer step, project A <= -a_min (every exp(delta*A) < 1)
     a_min: float = 1e-4
     norm_eps: float = 1e-5      # RMSNorm epsilon (transformers' layer_norm_epsilon)
+    n_heads: int = 4            # model.arch=attention: heads (d_model / n_heads must be even, for the rotary pairs)
 
     @property
     def d_inner(self) -> int:
@@ -95,6 +100,19 @@ class ProfileConfig:
     effective_batch: int = 0    # default for train.effective_batch
     candidates: str = ""        # micro-batches the autotuner measures, e.g. "1,2,4,8"
     precision: str = ""         # what train.precision=auto means under this profile
+
+
+TASKS = ("induction", "copying")
+
+
+@dataclass
+class TaskConfig:
+    """A synthetic task of the Mamba paper instead of language modeling (sonata.tasks): fresh
+    sequences of length data.seq_len every step, the loss on the answer positions only."""
+    name: str = ""              # "": language modeling on data.*; induction | copying
+    n_data: int = 16            # copying: data tokens per sequence (data.seq_len = noise region + n_data)
+    eval_seqs: int = 256        # validation: this many fixed sequences at the training length
+    eval_seed: int = 1234       # the validation set's seed (test sets: see `python -m sonata eval --lengths`)
 
 
 @dataclass
@@ -188,6 +206,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -206,7 +225,11 @@ class Config:
 
     def validate(self) -> "Config":
         m, d, t = self.model, self.data, self.train
+        _check(m.arch in ARCHS, f"model.arch must be one of {', '.join(ARCHS)}, not {m.arch!r}")
         _check(m.d_model > 0, "model.d_model must be positive")
+        _check(m.arch != "attention" or (m.n_heads > 0 and m.d_model % (2 * m.n_heads) == 0),
+               f"model.n_heads ({m.n_heads}) must divide model.d_model ({m.d_model}) into heads of even "
+               f"width (rotary positions rotate pairs)")
         _check(m.n_layers > 0, "model.n_layers must be positive")
         _check(m.d_state > 0, "model.d_state must be positive")
         _check(m.expand > 0, "model.expand must be positive")
@@ -264,6 +287,14 @@ class Config:
             _check(getattr(t, k) >= 0, f"train.{k} must be >= 0")
         _check(t.log_every > 0, "train.log_every must be positive")
         _check(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, not {t.device!r}")
+        k = self.task
+        _check(k.name in ("",) + TASKS, f"task.name must be empty (language modeling) or one of "
+                                         f"{', '.join(TASKS)}, not {k.name!r}")
+        _check(k.n_data > 0, "task.n_data must be positive")
+        _check(k.eval_seqs > 0, "task.eval_seqs must be positive")
+        min_len = {"induction": 4, "copying": 2 * k.n_data}.get(k.name, 1)
+        _check(d.seq_len >= min_len, f"data.seq_len ({d.seq_len}) must be at least {min_len} for task "
+                                      f"{k.name} (the training length)")
         return self
 
 
@@ -310,7 +341,7 @@ def _check(ok: bool, message: str) -> None:
 
 def _section(cfg: Config, name: str):
     if name not in {f.name for f in fields(cfg)}:
-        raise ConfigError(f"unknown config section {name!r} (sections: model, data, train, profile, debug)")
+        raise ConfigError(f"unknown config section {name!r} (sections: model, data, train, profile, debug, task)")
     return getattr(cfg, name)
 
 
@@ -374,7 +405,7 @@ def make_config(overrides=()) -> Config:
     return apply_overrides(Config(), overrides)
 
 
-__all__ = ["Config", "ModelConfig", "DataConfig", "TrainConfig", "ProfileConfig", "DebugConfig",
+__all__ = ["Config", "ModelConfig", "DataConfig", "TrainConfig", "ProfileConfig", "DebugConfig", "TaskConfig",
            "Profile", "PRESETS", "resolve_profile", "apply_overrides",
            "make_config", "set_value", "ConfigError", "TRAIN_DEFAULTS", "with_train_defaults",
            "describe_length"]

@@ -26,6 +26,10 @@ class EvalResult:
     tokens: int
     bytes: int
 
+    def fields(self) -> dict:
+        """What a metrics row and the summary report."""
+        return {"val_loss": self.loss, "val_bpb": self.bpb}
+
 
 @torch.no_grad()
 def evaluate_stream(model, stream: torch.Tensor, byte_len: torch.Tensor, seq_len: int, batch: int,

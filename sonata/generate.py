@@ -17,12 +17,14 @@ from sonata.config import Config
 from sonata.decode import Decoder, sample_next
 from sonata.errors import CheckpointError
 from sonata.model import MambaLM
+from sonata.tasks import make_task
 from sonata.vocab import Vocab
 
 
-def load_model(path, device="cpu") -> tuple[MambaLM, Vocab, Config]:
+def load_model(path, device="cpu") -> tuple[MambaLM, Vocab | None, Config]:
     """Model, vocabulary and config from a checkpoint or from a folder written by
-    `python -m sonata export --hf` (no corpus needed)."""
+    `python -m sonata export --hf` (no corpus needed). A synthetic task's checkpoint
+    (task.name set) has no vocabulary: None, and the task's vocabulary size."""
     if hf.is_hf_dir(path):
         model, vocab, cfg = hf.import_hf(path, device)
         if vocab is None:
@@ -32,8 +34,8 @@ def load_model(path, device="cpu") -> tuple[MambaLM, Vocab, Config]:
     state = ckpt.load(path, map_location=device)
     try:
         cfg = Config.from_dict(state["config"])
-        vocab = Vocab.from_state_dict(state["vocab"])
-        cfg.model.vocab_size = len(vocab)
+        vocab = Vocab.from_state_dict(state["vocab"]) if not cfg.task.name else None
+        cfg.model.vocab_size = len(vocab) if vocab is not None else make_task(cfg.task).vocab_size
         model = MambaLM(cfg.model).to(device)
         model.load_state_dict(state["model"])
     except (KeyError, RuntimeError, TypeError, ValueError) as e:
@@ -95,3 +97,13 @@ def stream_text(model: MambaLM, vocab: Vocab, prompt: str = "Once upon a time", 
     tail = decoder.decode(b"", final=True)
     if tail:
         yield tail
+
+
+def load_text_model(path, device="cpu") -> tuple[MambaLM, Vocab, Config]:
+    """`load_model` for what needs text: a task checkpoint, which has no vocabulary, is a
+    CheckpointError."""
+    model, vocab, cfg = load_model(path, device)
+    if vocab is None:
+        raise CheckpointError(f"{path} is a model of the synthetic task {cfg.task.name!r}: it has no text "
+                              f"vocabulary (score it with `python -m sonata eval {path} --lengths ...`)")
+    return model, vocab, cfg

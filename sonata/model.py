@@ -1,11 +1,22 @@
-"""The Mamba language model: pre-norm residual Mamba-1 blocks and tied embeddings.
+"""The language model: pre-norm residual blocks and tied embeddings, one of three
+architectures (`ModelConfig.arch`):
 
-Names mirror state-spaces/mamba (in_proj, conv1d, x_proj, dt_proj, A_log, D,
-out_proj) so readers can move between codebases. The scan runs through
-`sonata.kernels.selective_scan` with the backend of `ModelConfig.backend`;
-generation runs the same recurrence one token at a time (O(1) per token): `step` is
-the plain version, `sonata.decode.Decoder` the fast one (preallocated buffers), after
-`prefill` has consumed the prompt in one parallel pass. int8 lives in `sonata.quant`.
+- `mamba`: Mamba-1 blocks (the default). Names mirror state-spaces/mamba (in_proj, conv1d,
+  x_proj, dt_proj, A_log, D, out_proj) so readers can move between codebases.
+- `lti`: the time-invariant ablation of the Mamba paper (its S4-in-a-Mamba-block row): the
+  same block, but delta, B and C are learned parameters instead of functions of the input
+  (delta per channel, B and C shared by the channels, as Mamba's B_t and C_t are).
+- `attention`: a causal multi-head attention baseline with rotary position embeddings
+  (`torch.nn.functional.scaled_dot_product_attention`) and a GELU MLP, the same width.
+
+The scan runs through `sonata.kernels.selective_scan` with the backend of
+`ModelConfig.backend`. Every block's forward can take and return its recurrent state (the
+convolution window and the scan's state; attention: its keys and values so far), so a long
+sequence runs chunk by chunk and gives what one pass gives: `logits, state = model(ids,
+state, return_state=True)`. Generation (Mamba) runs the same recurrence one token at a time
+(O(1) per token): `step` is the plain version, `sonata.decode.Decoder` the fast one
+(preallocated buffers), after `prefill` has consumed the prompt in one parallel pass. int8
+lives in `sonata.quant`.
 """
 from __future__ import annotations
 
@@ -36,16 +47,16 @@ class RMSNorm(nn.Module):
 
 
 class MambaMixer(nn.Module):
-    """The selective SSM layer: in_proj -> conv -> SiLU -> scan (gated by z) -> out_proj."""
+    """The selective SSM layer: in_proj -> conv -> SiLU -> scan (gated by z) -> out_proj, with
+    delta, B and C computed from the input (`_selection`; `LTIMixer` makes them parameters)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        d, di, n, r = cfg.d_model, cfg.d_inner, cfg.d_state, cfg.dt_rank_
+        d, di, n = cfg.d_model, cfg.d_inner, cfg.d_state
         self.cfg = cfg
         self.in_proj = QLinear(d, 2 * di, bias=False)
         self.conv1d = nn.Conv1d(di, di, cfg.d_conv, groups=di, padding=cfg.d_conv - 1, bias=True)
-        self.x_proj = QLinear(di, r + 2 * n, bias=False)
-        self.dt_proj = QLinear(r, di, bias=True)
+        self._init_selection(cfg)
         a_init = torch.arange(1, n + 1, dtype=torch.float32).repeat(di, 1)   # (di, n): S4D-real
         if cfg.a_param == "log":
             self.A_log = nn.Parameter(torch.log(a_init))
@@ -53,16 +64,22 @@ class MambaMixer(nn.Module):
             self.A_param = nn.Parameter(-a_init)
         self.D = nn.Parameter(torch.ones(di))
         self.out_proj = QLinear(di, d, bias=False)
-        self._init_dt(cfg)
+        self._init_dt(cfg)      # last: the random draws keep the order of earlier versions
+
+    def _init_selection(self, cfg: ModelConfig) -> None:
+        r, n = cfg.dt_rank_, cfg.d_state
+        self.x_proj = QLinear(cfg.d_inner, r + 2 * n, bias=False)
+        self.dt_proj = QLinear(r, cfg.d_inner, bias=True)
 
     def _init_dt(self, cfg: ModelConfig) -> None:
         r = cfg.dt_rank_
         nn.init.uniform_(self.dt_proj.weight, -r ** -0.5, r ** -0.5)
-        # bias = softplus^-1(dt) with dt log-uniform in [dt_min, dt_max]
-        dt = torch.exp(torch.rand(cfg.d_inner) * (math.log(cfg.dt_max) - math.log(cfg.dt_min))
-                       + math.log(cfg.dt_min)).clamp(min=cfg.dt_init_floor)
         with torch.no_grad():
-            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            self.dt_proj.bias.copy_(dt_bias_init(cfg))
+
+    @property
+    def delta_bias(self) -> torch.Tensor:
+        return self.dt_proj.bias
 
     @property
     def A(self) -> torch.Tensor:
@@ -83,12 +100,31 @@ class MambaMixer(nn.Module):
         r, n = self.cfg.dt_rank_, self.cfg.d_state
         return self.x_proj(x).split([r, n, n], dim=-1)
 
-    def _ssm_inputs(self, x):
-        """x (b, L, di) after conv+SiLU -> delta (b, di, L), B, C (b, n, L)."""
+    def _selection(self, x):
+        """x (b, L, di) after conv+SiLU -> (delta, B, C, delta_proj) as `selective_scan` takes
+        them: delta is dt_proj's (b, L, r) input and delta_proj its weight (the scan projects);
+        B, C (b, n, L) transposed views."""
         dt, B, C = self._x_proj(x)
-        return project_delta(dt, self.dt_proj.weight), B.transpose(1, 2), C.transpose(1, 2)
+        return dt, B.transpose(1, 2), C.transpose(1, 2), self.dt_proj.weight
 
-    def forward(self, h):                                               # h (b, L, d)
+    def _ssm_inputs(self, x):
+        """x (b, L, di) after conv+SiLU -> delta (b, di, L) before bias and softplus, B, C (b, n, L)."""
+        delta, B, C, proj = self._selection(x)
+        return (delta if proj is None else project_delta(delta, proj)), B, C
+
+    def _scan(self, x, z, **state):
+        """The scan of x (b, di, L) after conv+SiLU, gated by z (b, di, L)."""
+        delta, B, C, proj = self._selection(x.transpose(1, 2))
+        return selective_scan(x, delta, self.A, B, C, self.D.float(), z=z,
+                              delta_bias=self.delta_bias.float(), delta_softplus=True,
+                              backend=self.cfg.backend, delta_proj=proj, **state)
+
+    def forward(self, h, state=None, return_state: bool = False):       # h (b, L, d)
+        """-> out (b, L, d); with `return_state` (or a `state` to continue from) -> (out, state),
+        state = (the last d_conv inputs of the convolution (b, di, d_conv), newest last; the
+        scan's state (b, di, n))."""
+        if state is not None or return_state:
+            return self._forward_with_state(h, state)
         # The projections work in (b, L, channels); the convolution and the scan in (b, di, L).
         # Each gets a transposed view of the other's output. On the cpu backend x, the scan's
         # output and their gradients stay in the projections' layout (the kernels read and
@@ -98,12 +134,19 @@ class MambaMixer(nn.Module):
         # dt_proj as a matmul first (kernels/__init__.py).
         x, z = conv_silu(self.in_proj(h), self.conv1d.weight, self.conv1d.bias,
                          self.cfg.backend)                              # (b, L, di) views
-        dt, B, C = self._x_proj(x)                                      # (b, L, r|n|n)
-        y = selective_scan(x.transpose(1, 2), dt, self.A, B.transpose(1, 2), C.transpose(1, 2),
-                           self.D.float(), z=z.transpose(1, 2), delta_bias=self.dt_proj.bias.float(),
-                           delta_softplus=True, backend=self.cfg.backend,
-                           delta_proj=self.dt_proj.weight)              # (b, di, L) view
+        y = self._scan(x.transpose(1, 2), z.transpose(1, 2))           # (b, di, L) view
         return self.out_proj(y.transpose(1, 2))
+
+    def _forward_with_state(self, h, state):
+        """The layer over h (b, L, d) continuing from `state` (None: zeros), and its new state.
+        The convolution reads the previous chunk's last d_conv - 1 inputs before this one's."""
+        cfg, di = self.cfg, self.cfg.d_inner
+        conv_state, ssm_state = state if state is not None else self.empty_state(h.shape[0], h.device, h.dtype)
+        x, z = self.in_proj(h).transpose(1, 2).chunk(2, dim=1)         # (b, di, L) each
+        xs = torch.cat([conv_state.to(x.dtype), x], dim=-1)            # (b, di, d_conv + L)
+        x = F.silu(F.conv1d(xs[..., 1:], self.conv1d.weight, self.conv1d.bias, groups=di))
+        y, last = self._scan(x, z.contiguous(), return_last_state=True, initial_state=ssm_state)
+        return self.out_proj(y.transpose(1, 2)), (xs[..., -cfg.d_conv:].contiguous(), last)
 
     def empty_state(self, batch: int, device, dtype=torch.float32):
         di = self.cfg.d_inner
@@ -117,37 +160,104 @@ class MambaMixer(nn.Module):
         x = F.silu((conv_state * self.conv1d.weight.squeeze(1)).sum(-1) + self.conv1d.bias)
         delta, B, C = self._ssm_inputs(x.unsqueeze(1))                  # (b, di, 1), (b, n, 1)
         y, ssm_state = scan_step(ssm_state, x, delta[..., 0], self.A, B[..., 0], C[..., 0],
-                                 self.D, z=z, delta_bias=self.dt_proj.bias, delta_softplus=True)
+                                 self.D, z=z, delta_bias=self.delta_bias, delta_softplus=True)
         return self.out_proj(y), (conv_state, ssm_state)
 
     def prefill(self, h):                                               # h (b, L, d)
         """The layer over a whole prompt in one parallel pass, and the state `step` continues
         from: the last d_conv inputs of the convolution (zero-padded on the left) and the scan's
-        last state. Written from the parameters alone, apart from `forward`'s layout."""
-        cfg, L = self.cfg, h.shape[1]
-        r, n, k = cfg.dt_rank_, cfg.d_state, cfg.d_conv
-        x, z = self.in_proj(h).transpose(1, 2).chunk(2, dim=1)         # (b, di, L) each
-        conv_state = F.pad(x, (max(k - L, 0), 0))[..., -k:].contiguous()  # (b, di, k), newest last
-        x = F.silu(self.conv1d(x)[..., :L])
-        dt, B, C = self.x_proj(x.transpose(1, 2)).split([r, n, n], dim=-1)  # (b, L, r|n|n)
-        delta = (dt @ self.dt_proj.weight.t()).transpose(1, 2)          # (b, di, L)
-        y, last = selective_scan(x.contiguous(), delta.contiguous(), self.A, B.transpose(1, 2).contiguous(),
-                                 C.transpose(1, 2).contiguous(), self.D.float(), z=z.contiguous(),
-                                 delta_bias=self.dt_proj.bias.float(), delta_softplus=True,
-                                 return_last_state=True, backend=cfg.backend)
-        return self.out_proj(y.transpose(1, 2)), (conv_state, last)
+        last state."""
+        return self._forward_with_state(h, None)
+
+
+class LTIMixer(MambaMixer):
+    """The time-invariant ablation: MambaMixer with delta, B and C learned parameters that do
+    not depend on the input. delta = softplus(dt_bias) per channel (initialized as Mamba's
+    bias), B and C (n,) shared by the channels, like Mamba's B_t and C_t but the same at every
+    step. The scan, the convolution and the gate are Mamba's."""
+
+    def _init_selection(self, cfg: ModelConfig) -> None:
+        n = cfg.d_state
+        self.dt_bias = nn.Parameter(torch.empty(cfg.d_inner))
+        self.B = nn.Parameter(torch.empty(n))
+        self.C = nn.Parameter(torch.empty(n))
+
+    def _init_dt(self, cfg: ModelConfig) -> None:
+        with torch.no_grad():
+            self.dt_bias.copy_(dt_bias_init(cfg))
+            self.B.normal_()
+            self.C.normal_(std=cfg.d_state ** -0.5)
+
+    @property
+    def delta_bias(self) -> torch.Tensor:
+        return self.dt_bias
+
+    def _selection(self, x):
+        b, L, _ = x.shape
+        n = self.cfg.d_state
+        delta = x.new_zeros(()).expand(b, self.cfg.d_inner, L)          # the bias is all of it
+        return (delta, self.B[None, :, None].expand(b, n, L).to(x.dtype),
+                self.C[None, :, None].expand(b, n, L).to(x.dtype), None)
+
+
+def dt_bias_init(cfg: ModelConfig) -> torch.Tensor:
+    """softplus^-1(dt) with dt log-uniform in [dt_min, dt_max] (at least dt_init_floor), per channel."""
+    dt = torch.exp(torch.rand(cfg.d_inner) * (math.log(cfg.dt_max) - math.log(cfg.dt_min))
+                   + math.log(cfg.dt_min)).clamp(min=cfg.dt_init_floor)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+def rotary(x, t0: int):
+    """Rotary position embedding of x (b, heads, L, hd) at positions t0 .. t0 + L - 1 (pairs
+    (i, i + hd/2) rotated by position * 10000^(-2i/hd); angles in float64, so positions in the
+    millions keep their precision)."""
+    L, hd = x.shape[2], x.shape[3]
+    inv = 10000.0 ** (-torch.arange(0, hd, 2, dtype=torch.float64, device=x.device) / hd)
+    ang = torch.arange(t0, t0 + L, dtype=torch.float64, device=x.device)[:, None] * inv   # (L, hd/2)
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with rotary positions. Its state is the keys and
+    values so far ((b, heads, T, hd) each): a chunk attends to them and to itself."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, self.heads = cfg.d_model, cfg.n_heads
+        self.qkv = QLinear(d, 3 * d, bias=False)
+        self.out_proj = QLinear(d, d, bias=False)
+
+    def forward(self, h, state=None, return_state: bool = False):      # h (b, L, d)
+        b, L, d = h.shape
+        q, k, v = self.qkv(h).view(b, L, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        t0 = 0 if state is None else state[0].shape[2]
+        q, k = rotary(q, t0), rotary(k, t0)                              # (b, heads, L, hd)
+        if state is not None:
+            k, v = torch.cat([state[0], k], dim=2), torch.cat([state[1], v], dim=2)
+        if t0:   # the chunk's queries see every earlier key and their own causal part
+            mask = torch.arange(t0, t0 + L, device=h.device)[:, None] >= torch.arange(t0 + L, device=h.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.out_proj(y.transpose(1, 2).reshape(b, L, d))
+        return (y, (k, v)) if return_state or state is not None else y
 
 
 class MambaBlock(nn.Module):
-    """Pre-norm residual block: h + mixer(norm(h))."""
+    """Pre-norm residual block: h + mixer(norm(h)); the mixer is Mamba's or the time-invariant one."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, backend=cfg.backend)
-        self.mixer = MambaMixer(cfg)
+        self.mixer = (LTIMixer if cfg.arch == "lti" else MambaMixer)(cfg)
 
-    def forward(self, h):
-        return h + self.mixer(self.norm(h))
+    def forward(self, h, state=None, return_state: bool = False):
+        if state is None and not return_state:
+            return h + self.mixer(self.norm(h))
+        y, state = self.mixer(self.norm(h), state, return_state=True)
+        return h + y, state
 
     def step(self, h, state):
         y, state = self.mixer.step(self.norm(h), state)
@@ -158,6 +268,26 @@ class MambaBlock(nn.Module):
         return h + y, state
 
 
+class AttentionBlock(nn.Module):
+    """Pre-norm transformer block: h + attn(norm(h)), then h + mlp(norm(h)) (GELU, 4x wide)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.norm = RMSNorm(d, cfg.norm_eps, backend=cfg.backend)
+        self.attn = CausalSelfAttention(cfg)
+        self.norm2 = RMSNorm(d, cfg.norm_eps, backend=cfg.backend)
+        self.mlp = nn.Sequential(QLinear(d, 4 * d, bias=False), nn.GELU(), QLinear(4 * d, d, bias=False))
+
+    def forward(self, h, state=None, return_state: bool = False):
+        if state is None and not return_state:
+            h = h + self.attn(self.norm(h))
+            return h + self.mlp(self.norm2(h))
+        y, state = self.attn(self.norm(h), state, return_state=True)
+        h = h + y
+        return h + self.mlp(self.norm2(h)), state
+
+
 class MambaLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -165,7 +295,8 @@ class MambaLM(nn.Module):
             raise ValueError("ModelConfig.vocab_size must be set (from the vocabulary) before building")
         self.cfg = cfg
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(MambaBlock(cfg) for _ in range(cfg.n_layers))
+        block = AttentionBlock if cfg.arch == "attention" else MambaBlock
+        self.layers = nn.ModuleList(block(cfg) for _ in range(cfg.n_layers))
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps, backend=cfg.backend)
         self.lm_head = QLinear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.embedding.weight                     # tied
@@ -174,16 +305,32 @@ class MambaLM(nn.Module):
     def _init_weights(self) -> None:
         nn.init.normal_(self.embedding.weight, std=0.02)
         for layer in self.layers:
-            # GPT-2 style rescale of the residual output projection by 1/sqrt(n_layers)
-            nn.init.kaiming_uniform_(layer.mixer.out_proj.weight, a=math.sqrt(5))
-            with torch.no_grad():
-                layer.mixer.out_proj.weight /= math.sqrt(self.cfg.n_layers)
+            # GPT-2 style rescale of the residual output projections by 1/sqrt(n_layers)
+            outs = ([layer.attn.out_proj, layer.mlp[2]] if isinstance(layer, AttentionBlock)
+                    else [layer.mixer.out_proj])
+            for out in outs:
+                nn.init.kaiming_uniform_(out.weight, a=math.sqrt(5))
+                with torch.no_grad():
+                    out.weight /= math.sqrt(self.cfg.n_layers)
 
-    def forward(self, idx):                                             # idx (b, L)
+    def forward(self, idx, state=None, return_state: bool = False):   # idx (b, L)
+        """-> logits (b, L, vocab); with `return_state` (or a `state`, the list a previous
+        call returned) -> (logits, state): the next call continues the sequence, so a long one
+        runs chunk by chunk in bounded memory (attention's state grows with the sequence)."""
         h = self.embedding(idx)
-        for layer in self.layers:
-            h = layer(h)
-        return self.lm_head(self.norm_f(h))                             # (b, L, vocab)
+        if state is None and not return_state:
+            for layer in self.layers:
+                h = layer(h)
+            return self.lm_head(self.norm_f(h))                         # (b, L, vocab)
+        new = []
+        for layer, s in zip(self.layers, state if state is not None else [None] * len(self.layers)):
+            h, s = layer(h, s, return_state=True)
+            new.append(s)
+        return self.lm_head(self.norm_f(h)), new
+
+    def _need_mamba(self, what: str) -> None:
+        if self.cfg.arch != "mamba":
+            raise ValueError(f"{what} needs model.arch=mamba (this model is {self.cfg.arch!r})")
 
     def set_int8(self, on: bool) -> None:
         """Fake-quantize every projection and the head to int8 (training and evaluation)."""
@@ -197,11 +344,14 @@ class MambaLM(nn.Module):
         below 1 the recurrence is contracting; above 1 the state can blow up."""
         h, worst = self.embedding(idx), 0.0
         for layer in self.layers:
+            if not isinstance(layer, MambaBlock):
+                h = layer(h)
+                continue
             mix, L = layer.mixer, idx.shape[1]
             x, _ = mix.in_proj(layer.norm(h)).transpose(1, 2).chunk(2, dim=1)
             x = F.silu(mix.conv1d(x)[..., :L])
             delta, _, _ = mix._ssm_inputs(x.transpose(1, 2))
-            dt = F.softplus(delta + mix.dt_proj.bias[:, None])           # (b, di, L)
+            dt = F.softplus(delta + mix.delta_bias[:, None])             # (b, di, L)
             A = mix.A                                                  # (di, n)
             # exp(dt*A) is largest at the largest dt where A > 0 and the smallest where A < 0
             hi = torch.where(A > 0, dt.amax(dim=(0, 2))[:, None] * A, dt.amin(dim=(0, 2))[:, None] * A)
@@ -235,6 +385,7 @@ class MambaLM(nn.Module):
 
     def step(self, idx, states):
         """One token per sequence: idx (b,) -> logits (b, vocab), new states."""
+        self._need_mamba("stepping one token at a time")
         h = self.embedding(idx)
         new = []
         for layer, s in zip(self.layers, states):
@@ -245,6 +396,7 @@ class MambaLM(nn.Module):
     def prefill(self, idx):
         """The prompt idx (b, T) in one parallel pass: logits at its last position (b, vocab)
         and the states `step` continues from."""
+        self._need_mamba("prefill")
         h, states = self.embedding(idx), []
         for layer in self.layers:
             h, s = layer.prefill(h)
@@ -258,6 +410,7 @@ class MambaLM(nn.Module):
         early once every row has produced `stop_token`. The prompt is consumed in one parallel
         pass, then a `Decoder` steps with preallocated buffers (`generate_reference` is the
         token-by-token original it is tested against)."""
+        self._need_mamba("generation")
         dec = Decoder(self, prompt.shape[0])
         b, T = prompt.shape
         out = torch.empty(b, T + max_new_tokens, dtype=torch.long, device=prompt.device)

@@ -20,7 +20,7 @@ import torch
 
 from sonata.config import PRESETS, make_config
 from sonata.errors import SonataError
-from sonata.generate import load_model, stream_text
+from sonata.generate import load_text_model, stream_text
 from sonata.studies import SPEEDRUN
 from sonata.trainer import Trainer
 
@@ -245,16 +245,16 @@ def load_or_train(checkpoint, fallback_steps: int = 200, fallback_dir="runs/06_g
     path, fallback = project_path(checkpoint), project_path(fallback_dir) / "checkpoint.pt"
     shown = Path(fallback_dir) / "checkpoint.pt"         # paths as given, for the lines below
     if path.exists():
-        model, vocab, cfg = load_model(path)
+        model, vocab, cfg = load_text_model(path)
         return model, vocab, cfg, f"loaded {checkpoint}"
     if fallback.exists():
-        model, vocab, cfg = load_model(fallback)
+        model, vocab, cfg = load_text_model(fallback)
         return model, vocab, cfg, f"{checkpoint} is missing; loaded the small model trained earlier in {shown}"
     print(f"{checkpoint} is missing (notebook 01 and `make train` write it): training a small model "
           f"for {fallback_steps} steps into {fallback_dir} first")
     trainer = Trainer(make_config([f"train.max_steps={fallback_steps}", "train.eval_every=0"]), fallback.parent)
     s = trainer.run()
-    model, vocab, cfg = load_model(fallback)
+    model, vocab, cfg = load_text_model(fallback)
     return model, vocab, cfg, (f"{checkpoint} is missing; trained a small model instead: {s['steps']} steps, "
                                f"validation {s['val_bpb']:.2f} bits per byte, saved to {shown}")
 

@@ -40,6 +40,7 @@ from sonata.plan import Plan, plan_batch, resumed_inputs
 from sonata.progress import Progress
 from sonata.rng import rng_state, seed_everything, set_rng_state
 from sonata.tensorboard_log import TensorBoardLog
+from sonata.tasks import TaskSampler, answer_loss, evaluate_task, make_task
 from sonata.vocab import Vocab
 
 MEASURE_SKIP = 2   # steps excluded from sustained tokens/s (compilation, allocator warm-up)
@@ -203,10 +204,14 @@ class Trainer:
             self.before_step.append(distributed.test_trip_hook(self.rank))
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.progress_mode = progress
-        vocab = Vocab.from_state_dict(state["vocab"]) if state else None
-        self.corpus: Corpus = build_corpus(cfg.data, self.device, vocab=vocab, progress=progress,
-                                           budget_bytes=self.profile.memory_budget_bytes)
-        cfg.model.vocab_size = len(self.corpus.vocab)
+        # the data: a corpus (language modeling) or a synthetic task's fresh sequences
+        self.task = make_task(cfg.task) if cfg.task.name else None
+        self.corpus: Corpus | None = None
+        if self.task is None:
+            vocab = Vocab.from_state_dict(state["vocab"]) if state else None
+            self.corpus = build_corpus(cfg.data, self.device, vocab=vocab, progress=progress,
+                                       budget_bytes=self.profile.memory_budget_bytes)
+        cfg.model.vocab_size = self.task.vocab_size if self.task else len(self.corpus.vocab)
         seed_everything(t.seed)
         self.model = MambaLM(cfg.model).to(self.device)
         self.model.set_int8(self.plan.precision == "int8")
@@ -215,7 +220,8 @@ class Trainer:
                                            betas=(0.9, 0.95), eps=1e-8,
                                            fused=self.device.type in ("cpu", "cuda"))
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.plan.precision == "fp16")
-        self.sampler = BatchSampler(self.corpus.train, cfg.data.seq_len, seed=t.seed, device=self.device)
+        self.sampler = (TaskSampler(self.task, cfg.data.seq_len, seed=t.seed, device=self.device) if self.task
+                        else BatchSampler(self.corpus.train, cfg.data.seq_len, seed=t.seed, device=self.device))
         self.step = 0
         self.tokens = 0
         self.train_seconds = 0.0      # time inside optimizer steps, all runs of this model (resumes add)
@@ -231,7 +237,8 @@ class Trainer:
         self.resumed_from_step = int(state["step"]) if state else None
         self.history: list[dict] = []
         self.emergency_reason: str | None = None
-        self._byte_len = torch.from_numpy(self.corpus.vocab.byte_lengths).to(self.device)
+        self._byte_len = (torch.from_numpy(self.corpus.vocab.byte_lengths).to(self.device)
+                          if self.corpus else None)
         if state:
             self.load_state_dict(state)
             if self.autotune_result:
@@ -259,7 +266,7 @@ class Trainer:
                 "budget_progress": self._last_progress, "counters": dict(self.counters),
                 "consecutive_nonfinite": self._consecutive_nonfinite,
                 "sampler": self.sampler.state_dict(), "rng": rng_state(),
-                "vocab": self.corpus.vocab.state_dict(), "config": self.cfg.to_dict(),
+                "vocab": self.corpus.vocab.state_dict() if self.corpus else None, "config": self.cfg.to_dict(),
                 "plan": self.plan.to_dict(),
                 "profile": self.profile.to_dict(), "autotune": self.autotune_result}
 
@@ -379,11 +386,17 @@ class Trainer:
             with no_sync:
                 with autocast_for(plan.precision, self.device):
                     logits = net(xb)                                    # (mb, L, V)
-                loss = kernels.cross_entropy(logits.float(), yb, self.cfg.model.backend)
+                loss = self._loss(logits.float(), yb)
                 self.scaler.scale(loss / acc).backward(retain_graph=self.injected_leak.retain_graph)
                 loss_sum += loss.detach()
                 self.injected_leak.after_backward(loss, logits)
         return loss_sum
+
+    def _loss(self, logits, y) -> torch.Tensor:
+        """The training loss: cross-entropy of every next token, or of a task's answers only."""
+        def loss_fn(lg, tg):
+            return kernels.cross_entropy(lg, tg, self.cfg.model.backend)
+        return answer_loss(logits, y, loss_fn) if self.task else loss_fn(logits, y)
 
     def _clip_gradients(self) -> torch.Tensor:
         self.scaler.unscale_(self.optimizer)
@@ -439,11 +452,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, max_tokens: int | None = None, model: MambaLM | None = None,
-                 split: str = "validation") -> EvalResult:
+                 split: str = "validation"):
         """Validation loss and bits per byte (the whole split unless train.eval_tokens or
         `max_tokens` limit it); data parallel: sharded over the ranks, summed. `split`
-        "train": the same figures on the start of the training stream."""
+        "train": the same figures on the start of the training stream. A task: loss and
+        accuracy on its fixed validation sequences at the training length (TaskEval)."""
         t = self.cfg.train
+        if self.task:
+            k = self.cfg.task
+            return evaluate_task(model or self.model, self.task, self.cfg.data.seq_len, k.eval_seqs,
+                                 k.eval_seed, chunked=self.cfg.model.arch != "attention")
         stream = {"validation": self.corpus.val, "train": self.corpus.train}[split]
         return evaluate_stream(model or self.model, stream, self._byte_len, self.cfg.data.seq_len,
                                max(16, self.plan.micro_batch), t.eval_tokens if max_tokens is None else max_tokens,
@@ -493,7 +511,7 @@ class Trainer:
                     final = self._finished(row)
                     if (t.eval_every and self.step % t.eval_every == 0) or final:
                         last_eval = self.evaluate()
-                        row.update(val_loss=last_eval.loss, val_bpb=last_eval.bpb)
+                        row.update(last_eval.fields())
                     self.history.append(row)
                     if metrics and (self.step % t.log_every == 0 or final or "val_loss" in row
                                     or row["skipped"]):
@@ -701,8 +719,8 @@ class Trainer:
             "stopped_by": self.stopped_by, "resumed_budget": self.resumed_budget,
             "tok_per_s_sustained": speed.sustained,
             "sustained_excludes_steps": MEASURE_SKIP,
-            "val_loss": last_eval.loss, "val_bpb": last_eval.bpb,
-            "val_tokens": last_eval.tokens, "val_bytes": last_eval.bytes,
+            **last_eval.fields(), **({"val_tokens": last_eval.tokens, "val_bytes": last_eval.bytes}
+                                     if self.corpus else {"val_sequences": last_eval.sequences}),
             "params": self.model.num_params(),
             "device": str(self.device), "threads": torch.get_num_threads(),
             "world_size": self.world, "backend_dist": distributed.context().backend,
@@ -728,7 +746,7 @@ class Trainer:
             "checkpoint_s_max": max(self.checkpoint_seconds, default=None),
             "restarts": distributed.context().restarts, "resumed_from_step": self.resumed_from_step,
             **self.counters,
-            "data": self.corpus.summary(),
+            "data": self.corpus.summary() if self.corpus else self.task.summary(self.cfg.data.seq_len),
         }
         if plan.precision == "int8":
             fp32 = self._eval_without_int8()

@@ -17,7 +17,7 @@ LAYERS = [
     {"vocab"},
     {"sources"},
     {"token_cache"},
-    {"data", "quant", "decode", "autograd", "kernels", "kernels.reference", "kernels.cpu",
+    {"data", "tasks", "quant", "decode", "autograd", "kernels", "kernels.reference", "kernels.cpu",
      "kernels.triton", "kernels.timing", "kernels.decode_cpu"},
     {"model"},
     {"memory", "plan", "checkpoint"},
