@@ -71,6 +71,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
     weight_decay: float = 0.1
+    beta2: float = 0.95         # AdamW's second-moment decay (beta1 0.9)
     grad_clip: float = 1.0
     seed: int = 0
     precision: str = "auto"     # auto (the profile's) | fp32 | fp16 (autocast + GradScaler) | bf16 (autocast) | int8 (fake-quant weights)
@@ -111,7 +112,8 @@ class TaskConfig:
     sequences of length data.seq_len every step, the loss on the answer positions only."""
     name: str = ""              # "": language modeling on data.*; induction | copying
     n_data: int = 16            # copying: data tokens per sequence (data.seq_len = noise region + n_data)
-    eval_seqs: int = 256        # validation: this many fixed sequences at the training length
+    curriculum: str = ""        # "L:S,L:S,...,L": S steps at length L, then the next; the last length to the end ("": data.seq_len)
+    eval_seqs: int = 256        # validation: this many fixed sequences at data.seq_len
     eval_seed: int = 1234       # the validation set's seed (test sets: see `python -m sonata eval --lengths`)
 
 
@@ -183,6 +185,28 @@ def resolve_profile(section: "ProfileConfig", device_type: str, available_bytes:
     if section.precision:
         p["precision"] = section.precision
     return Profile(name=name, budget_source=source, **p)
+
+
+def parse_curriculum(text: str) -> list[tuple[int, int]]:
+    """task.curriculum "64:8000,256:3000,1024" -> [(64, 8000), (256, 3000), (1024, 0)]: the
+    first 8,000 optimizer steps at length 64, the next 3,000 at 256, the rest at 1,024 (the
+    last length has no step count: it runs to the end)."""
+    if not text.strip():
+        return []
+    out = []
+    items = [v.strip() for v in text.split(",")]
+    for i, item in enumerate(items):
+        length, _, steps = item.partition(":")
+        last = i == len(items) - 1
+        try:
+            pair = (int(length), int(steps) if steps else 0)
+        except ValueError:
+            pair = None
+        if pair is None or pair[0] < 1 or (not last and pair[1] < 1) or (last and steps):
+            raise ConfigError(f"bad value for task.curriculum: {text!r} (length:steps pairs, then a last "
+                              f"length without steps, e.g. 64:8000,256:3000,1024)")
+        out.append(pair)
+    return out
 
 
 def parse_candidates(text: str) -> tuple:
@@ -262,6 +286,7 @@ class Config:
         _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]")
         _check(t.warmup_steps >= 0, "train.warmup_steps must be >= 0")
         _check(t.weight_decay >= 0, "train.weight_decay must be >= 0")
+        _check(0 < t.beta2 < 1, "train.beta2 must be in (0, 1)")
         _check(t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 = off)")
         _check(m.a_param in ("log", "direct"), f"model.a_param must be log or direct, not {m.a_param!r}")
         _check(m.a_min > 0, "model.a_min must be positive")
@@ -295,6 +320,9 @@ class Config:
         min_len = {"induction": 4, "copying": 2 * k.n_data}.get(k.name, 1)
         _check(d.seq_len >= min_len, f"data.seq_len ({d.seq_len}) must be at least {min_len} for task "
                                       f"{k.name} (the training length)")
+        for length, _ in parse_curriculum(k.curriculum):
+            _check(length >= min_len, f"task.curriculum: length {length} is under {min_len}, the shortest "
+                                      f"sequence of task {k.name or '(none)'}")
         return self
 
 

@@ -339,24 +339,32 @@ class MambaLM(nn.Module):
                 m.int8 = on
 
     @torch.no_grad()
+    def deltas(self, idx) -> list[torch.Tensor]:
+        """The step sizes delta = softplus(dt + bias) of every SSM layer for input idx: one
+        (b, d_inner, L) tensor per Mamba (or lti) layer, attention layers skipped. What
+        selection is: large delta writes the input into the state, tiny delta keeps it."""
+        h, out = self.embedding(idx), []
+        for layer in self.layers:
+            if isinstance(layer, MambaBlock):
+                mix, L = layer.mixer, idx.shape[1]
+                x, _ = mix.in_proj(layer.norm(h)).transpose(1, 2).chunk(2, dim=1)
+                x = F.silu(mix.conv1d(x)[..., :L])
+                delta, _, _ = mix._ssm_inputs(x.transpose(1, 2))
+                out.append(F.softplus(delta + mix.delta_bias[:, None]))  # (b, di, L)
+            h = layer(h)
+        return out
+
+    @torch.no_grad()
     def max_decay(self, idx) -> float:
         """Largest exp(delta*A) over all layers, channels and positions for input idx:
         below 1 the recurrence is contracting; above 1 the state can blow up."""
-        h, worst = self.embedding(idx), 0.0
-        for layer in self.layers:
-            if not isinstance(layer, MambaBlock):
-                h = layer(h)
-                continue
-            mix, L = layer.mixer, idx.shape[1]
-            x, _ = mix.in_proj(layer.norm(h)).transpose(1, 2).chunk(2, dim=1)
-            x = F.silu(mix.conv1d(x)[..., :L])
-            delta, _, _ = mix._ssm_inputs(x.transpose(1, 2))
-            dt = F.softplus(delta + mix.delta_bias[:, None])             # (b, di, L)
+        worst = 0.0
+        mixers = [layer.mixer for layer in self.layers if isinstance(layer, MambaBlock)]
+        for mix, dt in zip(mixers, self.deltas(idx)):
             A = mix.A                                                  # (di, n)
             # exp(dt*A) is largest at the largest dt where A > 0 and the smallest where A < 0
             hi = torch.where(A > 0, dt.amax(dim=(0, 2))[:, None] * A, dt.amin(dim=(0, 2))[:, None] * A)
             worst = max(worst, float(torch.exp(hi.max().double())))   # fp64: 1 - 1e-9 is not 1
-            h = layer(h)
         return worst
 
     def int8_state(self) -> dict:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from sonata.config import PRESETS, make_config
-from sonata.errors import SonataError
+from sonata.config import PRESETS, make_config, parse_curriculum
+from sonata.errors import ConfigError, SonataError
 from sonata.generate import load_text_model, stream_text
 from sonata.studies import SPEEDRUN
 from sonata.trainer import Trainer
@@ -113,6 +113,26 @@ class CommaInts(ListOf):
         return super().problem(vals)
 
 
+class Curriculum:
+    """A task curriculum as text: length:steps pairs, then a last length (task.curriculum)."""
+
+    def describe(self) -> str:
+        return "length:steps pairs, then a last length"
+
+    def problem(self, v) -> str | None:
+        if not isinstance(v, str):
+            return "is not text"
+        try:
+            stages = parse_curriculum(v)
+        except ConfigError:
+            return "is not length:steps pairs then a last length"
+        if not stages:
+            return "is empty"
+        if min(length for length, _ in stages) < 4:
+            return "has a length under 4"
+        return None
+
+
 SEED = Range(0, 2**31 - 1)
 THREADS = Range(0, 256)
 MODEL = {"d_model": Range(1, 2048), "n_layers": Range(1, 64), "d_state": Range(1, 256),
@@ -166,6 +186,16 @@ RANGES = {
         "budget_s": Range(1, 7200, float), "data_source": OneOf("embedded", "tinystories"),
         "configs": ListOf(OneOf(*SPEEDRUN), 1, len(SPEEDRUN)), "curve_points": Range(1, 100),
         "seed": SEED, "out_dir": Text(),
+    },
+    "08_selection": {
+        "task_budget_s": Range(1, 7200, float), "induction_steps": Range(1, 1_000_000),
+        "induction_curriculum": Curriculum(), "long_steps": Range(0, 100_000),
+        "long_curriculum": Curriculum(), "long_budget_s": Range(1, 7200, float),
+        "archs": ListOf(OneOf("mamba", "lti", "attention"), 1, 3),
+        "ablations": ListOf(OneOf("default-dt", "fixed-64"), 0, 2),
+        "test_lengths": ListOf(Range(16, 1 << 20), 1, 20), "long_lengths": ListOf(Range(16, 1 << 20), 0, 20),
+        "n_test": Range(1, 4096), "n_long": Range(1, 4096), "attention_eval_s": Range(1, 86_400, float),
+        "copy_region": Range(16, 8192), "copy_budget_s": Range(1, 7200, float), "seed": SEED, "out_dir": Text(),
     },
 }
 

@@ -217,3 +217,45 @@ def bpb_against_time(curves: dict, title: str = "validation bits per byte"):
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
     return fig
+
+
+def accuracy_by_length(curves: dict, chance: float, train_length: int | None = None,
+                       title: str = "accuracy by test length"):
+    """Accuracy against test length (log2 axis), one line per named model (notebook 08);
+    `curves[name]` is a list of (length, accuracy); chance and the training length marked."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, points in curves.items():
+        points = [(L, a) for L, a in points if a is not None]
+        if points:
+            ax.plot(*zip(*points), "o-", ms=4, label=name)
+    ax.axhline(chance, color="k", ls=":", lw=1, label=f"chance ({chance:.3f})")
+    if train_length:
+        ax.axvline(train_length, color="tab:gray", ls="--", lw=1, label=f"training length {train_length:,}")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("test sequence length (log2)")
+    ax.set_ylabel("accuracy")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def delta_heatmaps(panels: dict, tokens: list[str], title: str = "delta per position"):
+    """log10 of the step size delta per channel (rows) and position (columns), one panel per
+    (model, layer) in `panels` ({label: (channels, L) array}); `tokens` label the positions."""
+    import numpy as np
+    n = len(panels)
+    fig, axes = plt.subplots(n, 1, figsize=(10, 1.9 * n + 0.6), squeeze=False)
+    vals = [np.log10(np.maximum(np.asarray(v, dtype=np.float64), 1e-30)) for v in panels.values()]
+    lo = min(float(np.percentile(v, 1)) for v in vals)
+    hi = max(float(v.max()) for v in vals)
+    for ax, (label, _), v in zip(axes[:, 0], panels.items(), vals):
+        im = ax.imshow(v, aspect="auto", cmap="viridis", vmin=lo, vmax=hi, interpolation="nearest")
+        ax.set_ylabel(label, fontsize=8)
+        ax.set_xticks(range(len(tokens)), tokens, fontsize=6)
+        ax.set_yticks([])
+    axes[0, 0].set_title(title)
+    fig.colorbar(im, ax=axes[:, 0].tolist(), label="log10 delta", fraction=0.03)
+    return fig

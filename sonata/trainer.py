@@ -198,6 +198,7 @@ class Trainer:
                                  what=("profile.memory_budget_mb" if cfg.profile.memory_budget_mb else
                                        f"profile {self.profile.name}: {self.profile.budget_source}"))
         self.leak = LeakDetector()
+        self._step_tokens = None      # the tokens of the last step the leak detector followed
         self.injected_leak = InjectedLeak(cfg.debug.leak)     # debug.leak: the micro-step hook
         self.before_step: list = []                           # hooks(trainer) run before each step
         if self.world > 1 and distributed.test_trip_hook(self.rank):   # test-only: see sonata.distributed
@@ -217,10 +218,11 @@ class Trainer:
         self.model.set_int8(self.plan.precision == "int8")
         # fused: one kernel over all parameters (CPU and CUDA), 4x faster than the per-tensor loop
         self.optimizer = torch.optim.AdamW(param_groups(self.model, t.weight_decay), lr=t.lr,
-                                           betas=(0.9, 0.95), eps=1e-8,
+                                           betas=(0.9, t.beta2), eps=1e-8,
                                            fused=self.device.type in ("cpu", "cuda"))
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.plan.precision == "fp16")
-        self.sampler = (TaskSampler(self.task, cfg.data.seq_len, seed=t.seed, device=self.device) if self.task
+        self.sampler = (TaskSampler(self.task, cfg.data.seq_len, seed=t.seed, device=self.device,
+                                    curriculum=cfg.task.curriculum) if self.task
                         else BatchSampler(self.corpus.train, cfg.data.seq_len, seed=t.seed, device=self.device))
         self.step = 0
         self.tokens = 0
@@ -345,11 +347,11 @@ class Trainer:
         sync(self.device)                       # the clock is read only once the device is done
         dt = time.perf_counter() - t0
         self._step_s = dt
-        n_tok = plan.effective_batch * self.cfg.data.seq_len
+        n_tok = plan.effective_batch * x.shape[1]          # x: this rank's rows; a task's length may vary
         self.step += 1
         self.tokens += n_tok
         self._step_start = None
-        row = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens,
+        row = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens, "step_tokens": n_tok,
                "tok_per_s": n_tok / dt, "step_s": dt, "grad_norm": gnorm,
                "skipped": skipped, "fallbacks": kernels.fallback_count()}
         if self.cfg.debug.leak != "none":
@@ -502,7 +504,7 @@ class Trainer:
                 self._stop = stop
                 while not self._finished():
                     row, peak_all, signum = self._guarded_step()
-                    speed.add(row, self.plan.effective_batch * self.cfg.data.seq_len)
+                    speed.add(row, row["step_tokens"])
                     row["nonfinite_steps"] = self.counters["nonfinite_steps"]
                     row["peak_mem_bytes"] = peak_all
                     self._follow_memory(row)
@@ -553,7 +555,7 @@ class Trainer:
 
     def _warn_if_capped(self) -> None:
         t = self.cfg.train
-        if t.max_seconds and self.stopped_by == "steps":
+        if t.max_seconds and self.stopped_by == "steps" and t.min_lr_ratio < 1:
             warnings.warn(f"sonata: train.max_steps={t.max_steps} ended the run after {self.train_seconds:.1f} s "
                           f"of its {t.max_seconds:g} s budget (the learning rate had not reached its floor); "
                           f"train.max_steps=0 lifts the step cap", UserWarning, stacklevel=3)
@@ -635,7 +637,13 @@ class Trainer:
         return distributed.agree_on_trip(err, extra)
 
     def _follow_memory(self, row: dict) -> None:
-        """The leak detector; it warns once per run."""
+        """The leak detector; it warns once per run. A step of another size (a task's
+        curriculum moving to its next length) starts its window afresh: the memory a longer
+        sequence needs is the workload's, not a leak."""
+        if row["step_tokens"] != self._step_tokens:
+            if self._step_tokens is not None:
+                self.leak = LeakDetector()
+            self._step_tokens = row["step_tokens"]
         self.leak.record(row["mem_bytes"])
         if self.leak.enough:
             row["mem_slope_bytes_per_step"] = self.leak.slope()

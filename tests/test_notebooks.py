@@ -8,7 +8,7 @@ import pytest
 
 from conftest import REPO
 from sonata.checkpoint import load as load_checkpoint
-from sonata.notebook import RANGES, CommaInts, ListOf, OneOf, ParameterError, Range, Text, check
+from sonata.notebook import RANGES, CommaInts, Curriculum, ListOf, OneOf, ParameterError, Range, Text, check
 
 papermill = pytest.importorskip("papermill")
 
@@ -37,6 +37,10 @@ TINY = {
     "06_generate.ipynb": dict(max_new_tokens=20, n_samples=2, fallback_steps=2),
     "07_ten_minute_speedrun.ipynb": dict(budget_s=2, data_source="embedded", configs=["default", "wd0"],
                                          curve_points=2),
+    "08_selection.ipynb": dict(task_budget_s=2, induction_steps=20, induction_curriculum="8:10,16", long_steps=3,
+                               long_curriculum="32:2,64", long_budget_s=2, archs=["mamba", "lti", "attention"],
+                               ablations=["default-dt", "fixed-64"], test_lengths=[16, 32], long_lengths=[64],
+                               n_test=4, n_long=2, attention_eval_s=5, copy_region=16, copy_budget_s=2),
 }
 
 
@@ -240,6 +244,22 @@ def test_speedrun_budget_range_ends():
         check("07_ten_minute_speedrun", {"data_source": "hub"})
 
 
+@pytest.mark.notebook
+def test_notebook_08_trains_each_architecture_and_scores_it_by_length(tmp_path):
+    nb, text = _run("08_selection.ipynb", tmp_path)
+    assert "induction heads (length 48; S = 15):" in text and "answers at the markers:" in text
+    for name in ("Mamba (selective)", "time-invariant (lti)", "attention (RoPE)", "MHA-RoPE (paper)",
+                 "Mamba after the second phase", "S6 (selective), paper", "state precision",
+                 "Mamba, no curriculum: every step at length 64", "delta A/noise, best channel"):
+        assert name in text, name
+    assert "second phase: 3 steps" in text
+    assert "selective copying, Mamba (selective):" in text
+    assert _images(nb) == 3                      # accuracy by length, delta and write heatmaps
+    for run in ("induction-mamba", "induction-lti", "induction-attention", "induction-mamba-long",
+                "induction-mamba-default-dt", "induction-mamba-fixed-64", "copying-mamba"):
+        assert (tmp_path / "run" / run / "checkpoint.pt").exists(), run
+
+
 # ---- parameters: ranges stated, checked, and every value inside them runs
 
 def _smallest(spec):
@@ -249,6 +269,8 @@ def _smallest(spec):
         return spec.choices[0]
     if isinstance(spec, CommaInts):
         return ",".join([str(_smallest(spec.item))] * spec.min_len)
+    if isinstance(spec, Curriculum):
+        return "4"                                  # one stage: the shortest sequence a task has
     if isinstance(spec, ListOf):
         return [_smallest(spec.item)] * spec.min_len
     return None
@@ -374,6 +396,8 @@ OUT_OF_RANGE = {
                                                     "range; allowed: 1 to 10 values, each range 1e-06..10"),
     "06_generate": ("temperature", 6.0, "parameter temperature = 6.0 is out of range; allowed: range 0..5"),
     "07_ten_minute_speedrun": ("budget_s", 0.5, "parameter budget_s = 0.5 is out of range; allowed: range 1..7200"),
+    "08_selection": ("long_curriculum", "64,128", "parameter long_curriculum = '64,128' is not length:steps pairs "
+                                                  "then a last length; allowed: length:steps pairs, then a last length"),
 }
 
 

@@ -190,3 +190,41 @@ def test_cli_task_train_and_eval(tmp_path):
                        ("data.seq_len=3", "at least 4")):
         r = run_cli("train", "--out", str(tmp_path / "bad"), "task.name=induction", bad)
         _assert_one_error_line(r, words)
+
+
+def test_curriculum_lengths_follow_the_schedule_and_resume():
+    s = TaskSampler(InductionHeads(), 64, seed=0, curriculum="8:2,16:3,32")
+    lengths = [s.draw(2)[0].shape[1] for _ in range(7)]
+    assert lengths == [8, 8, 16, 16, 16, 32, 32]
+    state = s.state_dict()
+    r = TaskSampler(InductionHeads(), 64, seed=5, curriculum="8:2,16:3,32")
+    r.load_state_dict(state)
+    assert torch.equal(r.draw(2)[0], s.draw(2)[0]) and r.seq_len == 32
+    tr = Trainer(make_config(task_overrides("mamba", **{"train.max_steps": 4, "train.eval_every": 0,
+                                                         "task.curriculum": "8:2,16"})), None, progress="none")
+    tr.run()
+    assert [r["step_tokens"] for r in tr.history] == [64, 64, 128, 128]
+    assert tr.history[-1]["tokens"] == 384
+
+
+@pytest.mark.parametrize("text,words", [("64:10,x", "length:steps"), ("64,128", "length:steps"),
+                                        ("64:10,128:5", "length:steps"), ("2:5,64", "under 4")])
+def test_bad_curriculum_is_a_config_error(text, words):
+    from sonata.errors import ConfigError
+    with pytest.raises(ConfigError, match=words):
+        make_config(["task.name=induction", f"task.curriculum={text}"])
+
+
+def test_a_curriculum_stage_restarts_the_leak_detector_and_a_constant_rate_cap_does_not_warn():
+    """The memory a longer stage needs is the workload's: the detector follows each stage on its
+    own (its samples are the last stage's steps). A budgeted run capped by steps at a constant
+    learning rate (min_lr_ratio 1: always at its floor) has nothing to warn about."""
+    import warnings
+    cfg = make_config(task_overrides("mamba", **{"train.max_steps": 9, "train.eval_every": 0,
+                                                  "task.curriculum": "8:4,64", "train.max_seconds": 600,
+                                                  "train.decay_steps": 0, "train.min_lr_ratio": 1.0}))
+    tr = Trainer(cfg, None, progress="none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tr.run()
+    assert len(tr.leak.samples) == 5 and tr.stopped_by == "steps"
