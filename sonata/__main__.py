@@ -274,8 +274,10 @@ def _eval_task(args, model, cfg) -> int:
     if args.n < 1 or args.n_long < 1 or args.budget_s < 0:
         raise SonataError("--n and --n-long must be >= 1 and --budget-s >= 0")
     if not args.json:
-        print(f"{args.checkpoint}: task {task.name}, model.arch={cfg.model.arch}, trained at length "
-              f"{cfg.data.seq_len:,}; chance {task.chance():.4f}")
+        trained = (f"trained on the curriculum {cfg.task.curriculum}" if cfg.task.curriculum
+                   else f"trained at length {cfg.data.seq_len:,}")
+        print(f"{args.checkpoint}: task {task.name}, model.arch={cfg.model.arch}, {trained}; "
+              f"chance {task.chance():.4f}")
 
     def show(r):
         if args.json:

@@ -29,10 +29,10 @@ order of position: the loss and the score are on those n_data positions. Chance 
 
 Determinism. `draw(n, length, gen)` takes a torch.Generator: a training sampler owns one and
 checkpoints its state (`TaskSampler`), so a resumed run sees the same sequences. Evaluation
-sets are fixed by (seed, length): `eval_blocks` yields n sequences in blocks of EVAL_BLOCK
-positions, each block's content from its own generator seeded by (seed, length, block index),
-so sequences of 2^20 tokens are never held whole (the block size is part of the set's
-definition).
+sets are fixed by (seed, length): sequence r of the set is drawn by generators seeded by
+(seed, length, r), its content block by block (EVAL_BLOCK positions, each block from its own
+generator: the block size is part of the set's definition), so `eval_blocks` yields any rows
+of it without the others and a sequence of 2^20 tokens is never held whole.
 """
 from __future__ import annotations
 
@@ -74,10 +74,27 @@ class Task:
         if length < self.min_length:
             raise ValueError(f"{self.name} sequences need at least {self.min_length} positions, got {length}")
 
-    def eval_blocks(self, n: int, length: int, seed: int):
-        """(blocks, answers): an iterator over (n, <= EVAL_BLOCK) int64 pieces of n sequences of
-        `length`, fixed by (seed, length), and their answers. Concatenated, the pieces are
-        the sequences; no more than one block is ever held."""
+    def eval_blocks(self, rows: range, length: int, seed: int):
+        """(blocks, answers) of the sequences `rows` (a range of row numbers) of the evaluation
+        set (seed, length): an iterator over (len(rows), <= EVAL_BLOCK) int64 pieces which,
+        concatenated, are the sequences, and their answers. No more than one block is held."""
+        metas = [self._eval_meta(length, seed, r) for r in rows]
+
+        def pieces():
+            for i, t0 in enumerate(range(0, length, EVAL_BLOCK)):
+                yield torch.stack([self._eval_piece(m, length, seed, r, i, t0)
+                                   for r, m in zip(rows, metas)])
+        return pieces(), self._answers(metas, length)
+
+    def _eval_meta(self, length: int, seed: int, row: int):
+        """What sequence `row` needs besides its content blocks (its answers)."""
+        raise NotImplementedError
+
+    def _eval_piece(self, meta, length: int, seed: int, row: int, i: int, t0: int) -> torch.Tensor:
+        """Block i (positions t0 ..) of sequence `row`."""
+        raise NotImplementedError
+
+    def _answers(self, metas, length: int) -> Answers:
         raise NotImplementedError
 
     def chance(self) -> float:
@@ -129,17 +146,17 @@ class InductionHeads(Task):
         self._place(x, 0, length, s, a)
         return x, Answers(torch.tensor([length - 1]), a[:, None])
 
-    def eval_blocks(self, n, length, seed):
+    def _eval_meta(self, length, seed, row):
         self.check_length(length)
-        s, a = self._meta(n, length, _seeded(seed, length, -1))
+        return self._meta(1, length, _seeded(seed, length, row, -1))        # (s, a), one each
 
-        def pieces():
-            for i, t0 in enumerate(range(0, length, EVAL_BLOCK)):
-                x = torch.randint(0, self.n_content, (n, min(EVAL_BLOCK, length - t0)),
-                                  generator=_seeded(seed, length, i))
-                self._place(x, t0, length, s, a)
-                yield x
-        return pieces(), Answers(torch.tensor([length - 1]), a[:, None])
+    def _eval_piece(self, meta, length, seed, row, i, t0):
+        x = torch.randint(0, self.n_content, (1, min(EVAL_BLOCK, length - t0)), generator=_seeded(seed, length, row, i))
+        self._place(x, t0, length, *meta)
+        return x[0]
+
+    def _answers(self, metas, length):
+        return Answers(torch.tensor([length - 1]), torch.cat([a for _, a in metas])[:, None])
 
     def chance(self) -> float:
         return 1 / self.n_content
@@ -166,9 +183,14 @@ class SelectiveCopying(Task):
         x[:, region:] = self.MARKER
         return x, Answers(torch.arange(region, length), data)
 
-    def eval_blocks(self, n, length, seed):
-        x, ans = self.draw(n, length, _seeded(seed, length, -1))
-        return iter(x.split(EVAL_BLOCK, dim=1)), ans
+    def _eval_meta(self, length, seed, row):
+        return self.draw(1, length, _seeded(seed, length, row, -1))         # (x, answers) of the row
+
+    def _eval_piece(self, meta, length, seed, row, i, t0):
+        return meta[0][0, t0:t0 + EVAL_BLOCK]
+
+    def _answers(self, metas, length):
+        return Answers(metas[0][1].pos, torch.cat([ans.target for _, ans in metas]))
 
     def chance(self) -> float:
         return 1 / (self.vocab_size - self.first_data)
@@ -259,35 +281,37 @@ EVAL_TOKENS = 1 << 14
 def evaluate_task(model, task: Task, length: int, n: int, seed: int, *, chunked: bool = True,
                   device=None) -> TaskEval:
     """Loss and accuracy of `model` on the n fixed sequences of (seed, length), scored at the
-    answer positions. `chunked`: the sequences run block by block (`EVAL_BLOCK` positions),
-    each row batch carrying its recurrent state from block to block (`model(x, state,
-    return_state=True)`), so memory does not grow with the length (but for attention, whose
-    state is every key and value: pass chunked=False, one pass over each whole sequence)."""
+    answer positions. A batch of sequences at a time (at most EVAL_TOKENS positions per
+    forward call); `chunked`: each batch runs block by block (`EVAL_BLOCK` positions) carrying
+    its recurrent state (`model(x, state, return_state=True)`), so memory grows neither with
+    the length nor with n (but for attention, whose state is every key and value: pass
+    chunked=False, one pass over each whole sequence)."""
     device = device or next(model.parameters()).device
     was_training = model.training
     model.eval()
-    blocks, ans = task.eval_blocks(n, length, seed)
-    if not chunked:
-        blocks = [torch.cat(list(blocks), dim=1)]
     rows = max(1, min(n, EVAL_TOKENS // min(EVAL_BLOCK if chunked else length, length)))
-    states = [None] * -(-n // rows)
-    picked = torch.empty(n, ans.pos.numel(), task.vocab_size)          # logits at the answers
-    t0 = 0
-    for x in blocks:
-        t1 = t0 + x.shape[1]
-        inside = (ans.pos >= t0) & (ans.pos < t1)
-        for j, r0 in enumerate(range(0, n, rows)):
-            xb = x[r0:r0 + rows].to(device)
+    picked, targets = [], []                                            # logits at the answers
+    for r0 in range(0, n, rows):                 # a batch of sequences at a time, block by block
+        blocks, ans = task.eval_blocks(range(r0, min(n, r0 + rows)), length, seed)
+        if not chunked:
+            blocks = [torch.cat(list(blocks), dim=1)]
+        state, got, t0 = None, torch.empty(ans.target.shape + (task.vocab_size,)), 0
+        for x in blocks:
+            t1 = t0 + x.shape[1]
             if chunked:
-                logits, states[j] = model(xb, states[j], return_state=True)
+                logits, state = model(x.to(device), state, return_state=True)
             else:
-                logits = model(xb)
+                logits = model(x.to(device))
+            inside = (ans.pos >= t0) & (ans.pos < t1)
             if inside.any():
-                picked[r0:r0 + rows, inside] = logits[:, ans.pos[inside] - t0].float().cpu()
-        t0 = t1
+                got[:, inside] = logits[:, ans.pos[inside] - t0].float().cpu()
+            t0 = t1
+        picked.append(got)
+        targets.append(ans.target)
+    picked, target = torch.cat(picked), torch.cat(targets)
     model.train(was_training)
-    loss = torch.nn.functional.cross_entropy(picked.reshape(-1, task.vocab_size), ans.target.reshape(-1))
-    acc = (picked.argmax(-1) == ans.target).float().mean()
+    loss = torch.nn.functional.cross_entropy(picked.reshape(-1, task.vocab_size), target.reshape(-1))
+    acc = (picked.argmax(-1) == target).float().mean()
     return TaskEval(loss=float(loss), accuracy=float(acc), sequences=n, length=length)
 
 

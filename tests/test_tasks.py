@@ -71,17 +71,25 @@ def test_too_short_sequences_are_refused():
 
 @pytest.mark.parametrize("length", [64, EVAL_BLOCK + 37, 3 * EVAL_BLOCK])
 def test_evaluation_sets_are_fixed_by_seed_and_length(length):
+    """Sequence r of a set is the same whichever rows are asked for with it; blocks of at most
+    EVAL_BLOCK positions; the format of the task; another seed, other sequences."""
     task = InductionHeads()
-    blocks, ans = task.eval_blocks(6, length, seed=9)
-    x = torch.cat(list(blocks), 1)
-    assert all(b.shape[1] <= EVAL_BLOCK for b in task.eval_blocks(6, length, 9)[0])
+    blocks, ans = task.eval_blocks(range(6), length, seed=9)
+    blocks = list(blocks)
+    x = torch.cat(blocks, 1)
+    assert all(b.shape[1] <= EVAL_BLOCK for b in blocks)
     assert x.shape == (6, length) and (x[:, -1] == task.S).all()
     s = (x[:, :-1] == task.S).int().argmax(1)
     assert ((x[:, :-1] == task.S).sum(1) == 1).all()
     assert torch.equal(x[torch.arange(6), s + 1], ans.target[:, 0])
-    again = torch.cat(list(task.eval_blocks(6, length, 9)[0]), 1)
-    other = torch.cat(list(task.eval_blocks(6, length, 10)[0]), 1)
-    assert torch.equal(x, again) and not torch.equal(x, other)
+    blocks, part = task.eval_blocks(range(2, 4), length, 9)
+    assert torch.equal(torch.cat(list(blocks), 1), x[2:4]) and torch.equal(part.target, ans.target[2:4])
+    other = torch.cat(list(task.eval_blocks(range(6), length, 10)[0]), 1)
+    assert not torch.equal(x, other)
+    c = SelectiveCopying(16)
+    blocks, cans = c.eval_blocks(range(3), 48, 9)
+    y, cpart = c.eval_blocks(range(1, 2), 48, 9)
+    assert torch.equal(torch.cat(list(blocks), 1)[1:2], next(y)) and torch.equal(cans.target[1:2], cpart.target)
 
 
 def test_sampler_state_resumes_the_same_sequences_and_shards():
