@@ -66,10 +66,18 @@ RECIPES = {
                            "task.curriculum": INDUCTION_CURRICULUM, **SMALL_DT},
     # attention at the paper's training length (its cost grows with the square of the length)
     ("induction", "attention"): {"task.name": "induction", "data.seq_len": 256},
-    ("copying", "mamba"): {"task.name": "copying", **SMALL_DT},
-    ("copying", "lti"): {"task.name": "copying", **SMALL_DT},
+    # copying: Mamba's default step sizes (measured at 300 s: 95.2% with them, 88.1% with
+    # SMALL_DT, both on the curriculum below; 47.2% with the default and no curriculum)
+    ("copying", "mamba"): {"task.name": "copying"},
+    ("copying", "lti"): {"task.name": "copying"},
     ("copying", "attention"): {"task.name": "copying"},
 }
+
+
+def copy_curriculum(region: int, steps: int = 3000) -> str:
+    """Selective copying's curriculum: `steps` steps each at regions of 32, 64 and 128 below
+    `region`, then `region` (each length = region + 16 markers)."""
+    return ",".join([f"{r + 16}:{steps}" for r in (32, 64, 128) if r < region] + [str(region + 16)])
 
 
 def run_overrides(task: str, arch: str, budget_s: float, max_steps: int = 0, seed: int = 0,
@@ -83,6 +91,7 @@ def run_overrides(task: str, arch: str, budget_s: float, max_steps: int = 0, see
         o["task.curriculum"] = curriculum
     if task == "copying":
         o["data.seq_len"] = copy_region + o.get("task.n_data", 16)
+        o["task.curriculum"] = copy_curriculum(copy_region) if curriculum is None else curriculum
     o.update(overrides or {})
     return o
 
