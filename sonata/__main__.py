@@ -1,6 +1,6 @@
 """Command line: python -m sonata train | prepare | autotune | bench | generate | eval | export.
 
-    python -m sonata train [--out DIR] [--resume CHECKPOINT] [--nproc N] [key=value ...]
+    python -m sonata train [--out DIR] [--resume CHECKPOINT | --init CHECKPOINT] [--nproc N] [key=value ...]
     python -m sonata prepare [--progress MODE] [key=value ...]
     python -m sonata autotune [--json] [key=value ...]
     python -m sonata bench [--steps N] [--json] [key=value ...]
@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="train a model; writes DIR/metrics.jsonl and DIR/checkpoint.pt")
     tr.add_argument("--out", help="output folder (default: runs/<time>, or the resumed run's folder)")
     tr.add_argument("--resume", help="checkpoint to continue from")
+    tr.add_argument("--init", metavar="CHECKPOINT",
+                    help="start a new run from a checkpoint's weights (fresh optimizer, schedule and data)")
     tr.add_argument("--progress", default=None, help=" | ".join(MODES))
     tr.add_argument("--nproc", type=int, default=None,
                     help="data-parallel worker processes on this machine (the global batch is "
@@ -114,12 +116,13 @@ def cmd_train(args) -> int:
             raise SonataError("--nproc cannot be used inside torchrun (the workers are already started)")
         if args.nproc > 1:
             argv = ["train", "--out", out] + (["--resume", args.resume] if args.resume else []) + \
+                   (["--init", args.init] if args.init else []) + \
                    (["--progress", args.progress] if args.progress else []) + list(args.overrides)
             return distributed.launch(args.nproc, argv, max_restarts=max(0, args.max_restarts))
     restarted = distributed.restart_count()
     if restarted and (Path(out) / "checkpoint.pt").exists():
         # a worker restarted by torchrun / --max-restarts: continue from the run's checkpoint
-        args.resume = str(Path(out) / "checkpoint.pt")
+        args.resume, args.init = str(Path(out) / "checkpoint.pt"), None    # its weights are in there
         if int(os.environ.get("RANK", "0") or 0) == 0:
             print(f"restart {restarted}: resuming from {args.resume}", flush=True)
     try:
@@ -130,7 +133,12 @@ def cmd_train(args) -> int:
         else:
             cfg = Config()
         apply_overrides(cfg, args.overrides)
+        if args.init and args.resume:
+            raise SonataError("--init starts a new run from weights, --resume continues a run: use one")
+        init = ckpt.load(args.init)["model"] if args.init else None
         trainer = Trainer(cfg, out, state=state, progress=args.progress)
+        if init is not None:
+            trainer.start_from(init)
     except SonataError as e:
         _print_error(e, agreed=True)   # the same arguments and files on every rank: rank 0 says it
         return EXIT_USAGE

@@ -108,7 +108,7 @@ def train_task(task: str, arch: str, budget_s: float, max_steps: int = 0, seed: 
     folder = Path(out_dir) / (name or f"{task}-{arch}") if out_dir else None
     trainer = Trainer(cfg, folder, progress=progress)
     if init is not None:
-        trainer.model.load_state_dict(init.state_dict())
+        trainer.start_from(init.state_dict())
     summary = trainer.run()
     model = trainer.model.eval()
     del trainer

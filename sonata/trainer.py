@@ -238,6 +238,8 @@ class Trainer:
         self._last_save = time.monotonic()
         self.resumed_from_step = int(state["step"]) if state else None
         self.history: list[dict] = []
+        self._last_row: dict | None = None          # the metrics row of the last completed step
+        self._resumed_last_row: dict | None = None
         self.emergency_reason: str | None = None
         self._byte_len = (torch.from_numpy(self.corpus.vocab.byte_lengths).to(self.device)
                           if self.corpus else None)
@@ -269,7 +271,7 @@ class Trainer:
                 "consecutive_nonfinite": self._consecutive_nonfinite,
                 "sampler": self.sampler.state_dict(), "rng": rng_state(),
                 "vocab": self.corpus.vocab.state_dict() if self.corpus else None, "config": self.cfg.to_dict(),
-                "plan": self.plan.to_dict(),
+                "plan": self.plan.to_dict(), "last_row": self._last_row,
                 "profile": self.profile.to_dict(), "autotune": self.autotune_result}
 
     def load_state_dict(self, state: dict) -> None:
@@ -285,10 +287,20 @@ class Trainer:
             self.counters.update(state.get("counters", {}))
             self._consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
             self.autotune_result = state.get("autotune")
+            self._last_row = self._resumed_last_row = state.get("last_row")
             set_rng_state(state["rng"])
         except (KeyError, RuntimeError, ValueError, TypeError) as e:
             raise CheckpointError(f"checkpoint does not match this configuration: {str(e).splitlines()[0][:200]}") from None
         self.optimizer.zero_grad(set_to_none=True)
+
+    def start_from(self, model_state: dict) -> None:
+        """A new run from another run's weights (`train --init`, notebook 08's second phase):
+        the model's parameters, nothing else (the optimizer, schedule and data start afresh).
+        Weights of another architecture or shape are a CheckpointError."""
+        try:
+            self.model.load_state_dict(model_state)
+        except (RuntimeError, KeyError) as e:
+            raise CheckpointError(f"the initial weights do not fit this model: {str(e).splitlines()[0][:200]}") from None
 
     def model_is_finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
@@ -515,8 +527,11 @@ class Trainer:
                         last_eval = self.evaluate()
                         row.update(last_eval.fields())
                     self.history.append(row)
-                    if metrics and (self.step % t.log_every == 0 or final or "val_loss" in row
-                                    or row["skipped"]):
+                    due = self.step % t.log_every == 0 or final or "val_loss" in row or row["skipped"]
+                    # a checkpoint carries the row of its step: a resume writes it when the
+                    # file lacks it (rank 0 died after the step, a survivor saved)
+                    self._last_row = row if due else None
+                    if metrics and due:
                         metrics.write(row)
                         if tboard:
                             tboard.write(row)
@@ -528,6 +543,11 @@ class Trainer:
                     if signum is not None:
                         self._stop_on_signal(signum)
         except MemoryBudgetExceeded as e:
+            done = self._last_row
+            if done is not None and done["step"] == self.step and (not self.history or self.history[-1] is not done):
+                self.history.append(done)            # a step the check after it tripped: logged too
+                if metrics:
+                    metrics.write(done)
             raise self._memory_tripped(e) from None
         except KeyboardInterrupt:
             # a second Ctrl-C mid-step: the step may be half-applied, so keep the last
@@ -613,8 +633,16 @@ class Trainer:
             hook(self)
         if self.cfg.train.max_seconds:
             progress = self.budget_progress()       # what the step's learning rate is set from
-        with self.guard.watch(self.step, self._agree if self.world > 1 else None) as watch:
-            row = self.train_step()
+        row = None
+        try:
+            with self.guard.watch(self.step, self._agree if self.world > 1 else None) as watch:
+                row = self._last_row = self.train_step()   # the same dict gains its fields below
+        except MemoryBudgetExceeded:
+            if row is not None:          # the step completed; the check after it tripped: it counts
+                if self.cfg.train.max_seconds:
+                    row["progress"] = self._last_progress = progress
+                self._count_time(row["step_s"], row)
+            raise
         if self.cfg.train.max_seconds:
             row["progress"] = self._last_progress = progress
         row["mem_bytes"], row["step_peak_bytes"] = watch.mem_bytes, watch.peak
@@ -710,7 +738,8 @@ class Trainer:
     def _open_metrics(self) -> ckpt.MetricsLog | None:
         if not self.is_main:
             return None
-        return ckpt.MetricsLog(self.out_dir / "metrics.jsonl", through_step=self.step)
+        return ckpt.MetricsLog(self.out_dir / "metrics.jsonl", through_step=self.step,
+                               last_row=self._resumed_last_row)
 
     def _finish(self, last_eval: EvalResult, speed: _Throughput, wall_s: float) -> dict:
         """The summary (written with the final checkpoint on rank 0)."""

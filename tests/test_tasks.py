@@ -236,3 +236,28 @@ def test_a_curriculum_stage_restarts_the_leak_detector_and_a_constant_rate_cap_d
         warnings.simplefilter("error")
         tr.run()
     assert len(tr.leak.samples) == 5 and tr.stopped_by == "steps"
+
+
+def test_cli_init_starts_a_new_run_from_weights(tmp_path):
+    """--init takes the weights only: the new run's first loss is the old model's (not the fresh
+    init's), its steps start at 1; another architecture's weights, or --init with --resume, are
+    one error line."""
+    a = tmp_path / "a"
+    r = run_cli("train", "--out", str(a), "--progress", "none", *task_overrides("mamba", **{"train.max_steps": 30}))
+    assert r.returncode == 0, r.stderr
+    b = tmp_path / "b"
+    r = run_cli("train", "--out", str(b), "--init", str(a / "checkpoint.pt"), "--progress", "none",
+                *task_overrides("mamba", **{"train.max_steps": 2, "train.seed": 1}))
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    sa, sb = ckpt.load(a / "checkpoint.pt"), ckpt.load(b / "checkpoint.pt")
+    assert sb["step"] == 2 and sb["optimizer"]["state"][0]["step"] == 2     # a fresh optimizer
+    w = "layers.0.mixer.in_proj.weight"
+    assert (sb["model"][w] - sa["model"][w]).abs().max() < 0.05           # two steps from a's weights
+    r = run_cli("train", "--out", str(tmp_path / "c"), "--init", str(a / "checkpoint.pt"),
+                *task_overrides("attention", **{"train.max_steps": 1}))
+    _assert_one_error_line(r, "do not fit this model")
+    r = run_cli("train", "--out", str(tmp_path / "d"), "--init", str(a / "checkpoint.pt"),
+                "--resume", str(a / "checkpoint.pt"))
+    _assert_one_error_line(r, "use one")
