@@ -127,19 +127,25 @@ def load(path, map_location="cpu") -> dict:
 class MetricsLog:
     """metrics.jsonl: one JSON row per line, appended and flushed row by row. Opened for
     a resumed run, rows past the checkpoint's step are dropped first (the file is
-    rewritten atomically, so a kill at that moment loses nothing)."""
+    rewritten atomically, so a kill at that moment loses nothing), and `last_row`, the
+    checkpoint's row of its own step, is added when the file lacks it (the process that
+    writes the file died after the step, before its row)."""
 
-    def __init__(self, path, through_step: int = 0):
+    def __init__(self, path, through_step: int = 0, last_row: dict | None = None):
         self.path = Path(path)
-        if through_step and self.path.exists():
-            kept = []
-            for line in self.path.read_text(errors="replace").splitlines():
+        if through_step and (self.path.exists() or last_row):
+            kept, last = [], 0
+            text = self.path.read_text(errors="replace") if self.path.exists() else ""
+            for line in text.splitlines():
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:        # a row cut by a kill
                     continue
                 if row.get("step", 0) <= through_step:
                     kept.append(line + "\n")
+                    last = max(last, row.get("step", 0))
+            if last_row is not None and last_row.get("step") == through_step and last < through_step:
+                kept.append(json.dumps(last_row) + "\n")
             write_atomic(self.path, "".join(kept).encode(), "metrics file")
         elif not through_step:
             write_atomic(self.path, b"", "metrics file")

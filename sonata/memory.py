@@ -29,10 +29,10 @@ through it a slope, and a clean run was once called leaking that way.)
 """
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 
+import numpy as np
 import psutil
 import torch
 
@@ -358,35 +358,63 @@ def too_few_steps(need: int) -> str:
     return f"too few steps to judge: need at least {need}"
 
 
-def median_step_growth(ys) -> float:
-    """Median of ys[i + 1] - ys[i]: the growth of a typical step. A leak moves it;
-    a few jumps of the allocator do not."""
-    if len(ys) < 2:
-        return 0.0
-    return float(statistics.median(b - a for a, b in zip(ys, ys[1:])))
+def trend(ys) -> tuple[float, float]:
+    """(slope, its standard error) of memory readings ys, in bytes per step, robust to what a
+    correct loop's memory does: a few level shifts (allocator jumps, 4 MiB in one step) and
+    large swings around a flat level (tens of MiB from step to step).
+
+    A step's growth that sits more than 8 noise floors (and 1 MiB) away from the median growth
+    is a level shift: it is replaced by the median growth, so it moves the levels once instead
+    of tilting the fit. The slope is then the least-squares slope through the levels over the
+    whole window (every reading counts, so swings average out: a window of 64 readings
+    measures a slope about 30 times more finely than the noise of one step), and its standard
+    error comes from the spread of the residuals (1.4826 x their median absolute deviation):
+    the window's own noise floor."""
+    y = np.asarray(ys, dtype=np.float64)
+    n = len(y)
+    if n < 3:
+        return 0.0, 0.0
+    d = np.diff(y)
+    med = np.median(d)
+    floor = 1.4826 * np.median(np.abs(d - med))
+    d = np.where(np.abs(d - med) > max(8 * floor, 2**20), med, d)   # level shifts out
+    levels = np.concatenate(([y[0]], y[0] + np.cumsum(d)))
+    t = np.arange(n) - (n - 1) / 2
+    sxx = n * (n * n - 1) / 12                                       # sum of t^2
+    slope = float(t @ (levels - levels.mean()) / sxx)
+    resid = levels - levels.mean() - slope * t
+    sigma = 1.4826 * np.median(np.abs(resid - np.median(resid)))
+    return slope, float(sigma / np.sqrt(sxx))
 
 
 class LeakDetector:
-    """Memory after each step; a typical step's growth (median step-to-step
-    difference) over the last `window` steps (from step `skip` + 1 on, once
-    `min_samples` are there) above `threshold` bytes per step is a leak. The default threshold, 256 KiB per step, is far above what a correct
-    loop drifts by (0 to 15 KiB per step measured on CPU) and far below what one
-    kept graph of the seed model costs (about 38 MiB per step at micro-batch 16)."""
+    """Memory after each step (from step `skip` + 1 on). A leak is a slope (`trend`: least
+    squares through the readings, allocator jumps taken out) over the last `window` steps,
+    once `min_samples` are there, that is both above `threshold` bytes per step and more
+    than `z` standard errors above zero: significant against the window's own noise floor.
+    The default threshold, 256 KiB per step, is far above what a correct loop drifts by (0 to
+    15 KiB per step measured on CPU) and far below what one kept graph of the seed model
+    costs (about 38 MiB per step at micro-batch 16). With the resident set swinging by +-20
+    MiB from step to step, the slope's error over 64 readings is about 0.1 MiB per step, so
+    a 0.5 MiB-per-step leak is flagged within about 60 steps and flat noise is not: a
+    single step's growth (what an earlier detector took the median of) says little there."""
 
-    def __init__(self, window: int = 16, threshold: float = 256 * 1024, skip: int = 2,
-                 min_samples: int = 16):
+    def __init__(self, window: int = 256, threshold: float = 256 * 1024, skip: int = 2,
+                 min_samples: int = 16, z: float = 5.0):
         self.window, self.threshold, self.skip = window, float(threshold), skip
-        self.min_samples = min_samples
+        self.min_samples, self.z = min_samples, z
         self.samples: list[int] = []
 
     def record(self, mem_bytes: int) -> None:
         self.samples.append(int(mem_bytes))
 
+    def _window(self) -> list[int]:
+        return self.samples[self.skip:][-self.window:]
+
     def slope(self) -> float:
-        """Bytes per step (median step growth) over the last `window` samples after
-        the skipped ones (all of them if fewer)."""
-        ys = self.samples[self.skip:][-self.window:]
-        return median_step_growth(ys)
+        """Bytes per step over the last `window` samples after the skipped ones (all of them
+        if fewer)."""
+        return trend(self._window())[0]
 
     @property
     def needed(self) -> int:
@@ -398,7 +426,10 @@ class LeakDetector:
         return len(self.samples) >= self.needed
 
     def leaking(self) -> bool:
-        return self.enough and self.slope() > self.threshold
+        if not self.enough:
+            return False
+        slope, err = trend(self._window())
+        return slope > self.threshold and slope > self.z * err
 
     def verdict(self) -> str:
         """`LEAK`, `flat`, or what a run too short to judge needs."""
@@ -407,8 +438,9 @@ class LeakDetector:
         return "LEAK" if self.leaking() else "flat"
 
     def report(self) -> dict:
-        s = self.slope()
-        return {"mem_slope_bytes_per_step": s, "leak": bool(self.enough and s > self.threshold),
+        s, err = trend(self._window())
+        return {"mem_slope_bytes_per_step": s, "mem_slope_error_bytes_per_step": err,
+                "leak": self.leaking(),
                 "leak_window": min(self.window, max(0, len(self.samples) - self.skip)),
                 "leak_threshold_bytes_per_step": self.threshold,
                 "mem_baseline_bytes": self.samples[self.skip] if len(self.samples) > self.skip else None}
@@ -416,7 +448,8 @@ class LeakDetector:
     def message(self) -> str:
         r = self.report()
         return (f"memory grows {fmt_mib(r['mem_slope_bytes_per_step'])} per step over the last "
-                f"{r['leak_window']} steps (threshold {fmt_mib(self.threshold)}): a leak")
+                f"{r['leak_window']} steps (+- {fmt_mib(r['mem_slope_error_bytes_per_step'])}; threshold "
+                f"{fmt_mib(self.threshold)}): a leak")
 
 
 class InjectedLeak:

@@ -10,7 +10,7 @@ from sonata import autotune as autotune_mod
 from sonata import checkpoint as ckpt
 from sonata.config import PRESETS, Config, ProfileConfig, make_config, resolve_profile
 from sonata.errors import ConfigError
-from sonata.memory import LeakDetector, MemoryBudgetExceeded, MemoryGuard, median_step_growth, rss_bytes
+from sonata.memory import LeakDetector, MemoryBudgetExceeded, MemoryGuard, rss_bytes, trend
 from sonata.generate import load_model
 from sonata.plan import plan_batch
 from sonata.trainer import Trainer
@@ -247,10 +247,35 @@ def test_leak_detector_flags_a_synthetic_leak_and_passes_flat_noise():
     assert "per step" in leaky.message()
     for at, det in clean.items():
         assert not det.leaking() and abs(det.slope()) < 64 * 1024, at
-    # a jump in the middle of the window, as a real clean run once showed (a fitted slope
-    # through it was 0.31 MiB per step: a false leak)
-    assert median_step_growth([0, 0, 0, 0, 4 * 2**20, 4 * 2**20, 4 * 2**20, 4 * 2**20]) == 0
-    assert median_step_growth([0, 10, 20, 1000, 1010]) == pytest.approx(10)
+    # a jump in the middle of the window, as a real clean run once showed (a plain fitted slope
+    # through it was 0.31 MiB per step: a false leak): a level shift, not a trend
+    assert trend([0] * 8 + [4 * 2**20] * 8) == (0.0, 0.0)
+    assert trend([0, 10, 20, 30, 40]) == (pytest.approx(10), pytest.approx(0))
+
+
+MiB = 2**20
+
+
+def test_leak_detector_ignores_large_swings_and_finds_a_small_leak_under_them():
+    """The resident set swinging by +-20 MiB from step to step (seen in the notebooks, on
+    non-glibc systems, in the bench harness): no warning in 1,000 steps, for any of 20 seeds;
+    a true 0.5 MiB-per-step leak under the same swings is flagged within 100 steps. (The
+    earlier detector, the median of 15 step-to-step differences against 256 KiB, fired about
+    half the time on the flat swings and could not see the leak.)"""
+    import numpy as np
+    for seed in range(20):
+        r = np.random.default_rng(seed)
+        flat, leak = LeakDetector(), LeakDetector()
+        flagged = None
+        for i in range(1000):
+            swing = int(r.uniform(-20, 20) * MiB)
+            flat.record(600 * MiB + swing)
+            assert not flat.leaking(), (seed, i, flat.report())
+            leak.record(600 * MiB + i * MiB // 2 + swing)
+            if flagged is None and leak.leaking():
+                flagged = i + 1
+        assert flagged is not None and flagged <= 100, (seed, flagged)
+        assert leak.slope() == pytest.approx(MiB / 2, rel=0.1)
 
 
 def test_trainer_reports_a_real_leak_and_a_clean_run():

@@ -182,3 +182,46 @@ def test_sigterm_writes_an_emergency_checkpoint(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: stopped by SIGTERM")
     state = ckpt.load(out / "checkpoint.pt")
     assert state["step"] == len(metrics.read_text().splitlines()) >= 3
+
+
+def test_a_step_the_guard_trips_after_is_logged_and_timed(tmp_path):
+    """The memory check after step 3 trips: the run stops with the checkpoint of step 3, and
+    metrics.jsonl has step 3's row, whose time counts in the checkpoint's training seconds.
+    (Before: the checkpoint said step 3 but the file stopped at step 2 and the time of step 3
+    was lost while its tokens were counted.)"""
+    from sonata.memory import MemoryBudgetExceeded
+    tr = Trainer(make_config(tiny_overrides(**{"train.max_steps": 6})), tmp_path, progress="none")
+    after = tr.guard.after_step
+
+    def trip_at_3(step, hint=""):
+        now = after(step, hint)
+        if step == 3:
+            tr.guard._trip("step 3 peaked at (test)", now, hint)
+        return now
+    tr.guard.after_step = trip_at_3
+    with pytest.raises(MemoryBudgetExceeded):
+        tr.run()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    state = ckpt.load(tmp_path / "checkpoint.pt")
+    assert state["step"] == 3 and [r["step"] for r in rows] == [1, 2, 3]
+    assert state["train_seconds"] == pytest.approx(sum(r["step_s"] for r in rows), rel=1e-9)
+    assert rows[-1]["train_s"] == pytest.approx(state["train_seconds"], rel=1e-9)
+    assert state["tokens"] == rows[-1]["tokens"]
+
+
+def test_resume_writes_the_row_of_the_checkpoints_step_when_the_file_lacks_it(tmp_path):
+    """The process writing metrics.jsonl died after a step, before its row (a survivor of a
+    data-parallel run saved that step): the checkpoint carries the row, and a resume writes
+    it, so every step has its row."""
+    out = tmp_path / "run"
+    r = run_cli("train", "--out", str(out), "--progress", "none",
+                *tiny_overrides(**{"train.max_steps": 5, "train.decay_steps": 7}))
+    assert r.returncode == 0, r.stderr
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert ckpt.load(out / "checkpoint.pt")["last_row"]["step"] == 5
+    (out / "metrics.jsonl").write_text("\n".join(lines[:-1]) + "\n")         # step 5's row lost
+    r = run_cli("train", "--resume", str(out / "checkpoint.pt"), "--progress", "none", "train.max_steps=7")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6, 7]
+    assert rows[4] == json.loads(lines[-1])
