@@ -7,7 +7,7 @@
     python -m sonata generate CHECKPOINT|DIR [--prompt TEXT] [--n N] [--max-new-tokens N]
     python -m sonata eval CHECKPOINT|DIR --text FILE [--json] [--device auto|cpu|cuda]
     python -m sonata eval CHECKPOINT --lengths L,L,... [--n N] [--n-long N] [--budget-s S] [--json]
-    python -m sonata export CHECKPOINT --hf DIR
+    python -m sonata export CHECKPOINT --hf DIR [--force]
 
 A user mistake (unknown key, bad value, missing or corrupt file, empty corpus,
 unsafe checkpoint, an output or cache folder that cannot be written, a full disk)
@@ -94,7 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
     ex = sub.add_parser("export", help="write a checkpoint as a transformers MambaForCausalLM folder")
     ex.add_argument("checkpoint")
-    ex.add_argument("--hf", required=True, metavar="DIR", help="output folder (config.json, model.safetensors, ...)")
+    ex.add_argument("--hf", required=True, metavar="DIR", help="output folder (config.json, model.safetensors, ...); "
+                                                                 "a new or empty one")
+    ex.add_argument("--force", action="store_true", help="replace DIR and everything in it if it is not empty")
     return p
 
 
@@ -311,7 +313,7 @@ def cmd_export(args) -> int:
     if cfg.model.arch != "mamba":
         raise SonataError(f"only a Mamba model (model.arch=mamba) exports as MambaForCausalLM; this one is "
                           f"{cfg.model.arch!r}")
-    out = export_hf(model, vocab, args.hf, cfg)
+    out = export_hf(model, vocab, args.hf, cfg, force=args.force)
     print(f"wrote {out}: config.json, model.safetensors, generation_config.json, vocab.json, README.md "
           f"({model.num_params():,} parameters; load with transformers.MambaForCausalLM.from_pretrained)")
     return 0

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -138,27 +141,51 @@ model, vocab, cfg = load_model("path/to/this/folder")   # a sonata.model.MambaLM
 """
 
 
-def export_hf(model: MambaLM, vocab: Vocab | None, out_dir, cfg: Config | None = None) -> Path:
-    """Write `model` (and its vocabulary) as a transformers MambaForCausalLM directory."""
+def export_hf(model: MambaLM, vocab: Vocab | None, out_dir, cfg: Config | None = None,
+              force: bool = False) -> Path:
+    """Write `model` (and its vocabulary) as a transformers MambaForCausalLM directory.
+
+    Atomic: everything is written into a temporary folder beside `out_dir`, which is renamed
+    into place only when complete (a kill or a full disk leaves no half-written export). A
+    folder that exists and is not empty is refused unless `force`, which replaces it whole
+    (`--hf .` in a project must not write over its README)."""
     st = _require_safetensors()
     tensors = hf_state_dict(model)                       # refuses before anything is written
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise SonataError(f"--hf {out} exists and is not a folder")
-    out.mkdir(parents=True, exist_ok=True)
-    conf = hf_config(model)
-    st.save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
-    gen = {"bos_token_id": Vocab.EOT_ID, "eos_token_id": Vocab.EOT_ID, "pad_token_id": Vocab.EOT_ID,
-           "do_sample": True, "temperature": 0.8, "top_k": 40, "max_new_tokens": 200}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    if vocab is not None:
-        state = vocab.state_dict()
-        (out / VOCAB_FILE).write_text(json.dumps({"kind": state["kind"],
-                                                  "tokens": state["tokens"].tolist()}) + "\n")
-    if cfg is not None:
-        (out / SONATA_CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    (out / "README.md").write_text(_readme(conf, model.num_params()))
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise SonataError(f"--hf {out} is a folder that is not empty; choose a new or empty one "
+                          f"(or --force to replace it and everything in it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        conf = hf_config(model)
+        st.save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
+        gen = {"bos_token_id": Vocab.EOT_ID, "eos_token_id": Vocab.EOT_ID, "pad_token_id": Vocab.EOT_ID,
+               "do_sample": True, "temperature": 0.8, "top_k": 40, "max_new_tokens": 200}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        if vocab is not None:
+            state = vocab.state_dict()
+            (tmp / VOCAB_FILE).write_text(json.dumps({"kind": state["kind"],
+                                                      "tokens": state["tokens"].tolist()}) + "\n")
+        if cfg is not None:
+            (tmp / SONATA_CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        (tmp / "README.md").write_text(_readme(conf, model.num_params()))
+        if out.exists():                                 # empty, or replaced with force
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SonataError(f"cannot write the export {out}: {e.strerror or e}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 
@@ -191,12 +218,18 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
             return st.load_file(str(path / WEIGHTS_FILE))
         if index.exists():
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            root = path.resolve()
             out = {}
             for s in shards:
-                out.update(st.load_file(str(path / s)))
+                f = (path / s).resolve()
+                if f.parent != root:             # a name like ../x or /etc/x: never read outside
+                    raise CheckpointError(f"{index} names a shard outside its folder: {s!r}")
+                out.update(st.load_file(str(f)))
             return out
         if (path / "pytorch_model.bin").exists():
             return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
     except Exception as e:  # a truncated or foreign file: one line, never a traceback
         raise CheckpointError(f"cannot read the weights in {path}: {str(e).splitlines()[0][:160]}") from None
     raise CheckpointError(f"{path} has no {WEIGHTS_FILE}, sharded safetensors or pytorch_model.bin")

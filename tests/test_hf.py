@@ -248,3 +248,35 @@ def test_stream_text_equals_batch_generation():
         streamed = "".join(stream_text(m, vocab, prompt, 30, temperature=0.8, top_k=10, seed=3))
         whole = generate_text(m, vocab, prompt, n=1, max_new_tokens=30, temperature=0.8, top_k=10, seed=3)[0]
         assert prompt + streamed == whole
+
+
+def test_export_refuses_a_folder_that_is_not_empty_and_force_replaces_it_whole(tmp_path):
+    """`export --hf .` in a project must not write over its README: a non-empty folder is
+    refused (one error line, nothing changed) unless --force, which replaces the folder whole;
+    an empty folder is fine; no temporary folder is left beside it."""
+    m = _sonata(seed=8)
+    path = _checkpoint(tmp_path, m)
+    target = tmp_path / "project"
+    target.mkdir()
+    (target / "README.md").write_text("mine\n")
+    r = _cli("export", str(path), "--hf", str(target))
+    assert r.returncode == 2 and r.stderr.startswith("error: --hf") and "not empty" in r.stderr, r.stderr
+    assert [p.name for p in target.iterdir()] == ["README.md"] and (target / "README.md").read_text() == "mine\n"
+    r = _cli("export", str(path), "--hf", str(target), "--force")
+    assert r.returncode == 0, r.stderr
+    assert (target / "model.safetensors").exists() and "mine" not in (target / "README.md").read_text()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    export_hf(m, _vocab(), empty)
+    assert (empty / "config.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_import_refuses_shards_outside_the_folder(tmp_path):
+    m = _sonata(seed=9)
+    export_hf(m, _vocab(), tmp_path / "hf")
+    (tmp_path / "hf" / "model.safetensors").rename(tmp_path / "outside.safetensors")
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"backbone.embeddings.weight": "../outside.safetensors"}}))
+    with pytest.raises(CheckpointError, match="outside its folder"):
+        import_hf(tmp_path / "hf")
