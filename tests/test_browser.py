@@ -46,6 +46,14 @@ TRAIN_01 = dict(d_model=32, n_layers=1, d_state=4, vocab_size=300, seq_len=64, m
                 effective_batch=8, eval_every=20, max_stories=60, n_samples=1, sample_tokens=20, warmup_steps=5)
 
 
+def lab_url_line(proc) -> str:
+    """The line .ci/lab prints once the server answers (the server's own log comes first)."""
+    for line in proc.stdout:
+        if line.startswith("JupyterLab: "):
+            return line
+    raise AssertionError(".ci/lab ended without printing its URL")
+
+
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     root = tmp_path_factory.mktemp("lab")
@@ -85,9 +93,9 @@ def lab(tmp_path_factory):
     proc = subprocess.Popen([str(REPO / ".ci/lab"), sys.executable, str(root)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        first = proc.stdout.readline()
+        first = lab_url_line(proc)
         m = re.match(r"JupyterLab: (http://127\.0\.0\.1:(\d+))/lab\?token=(\w+)", first)
-        assert m, f"unexpected first line from .ci/lab: {first!r}"
+        assert m, f"unexpected URL line from .ci/lab: {first!r}"
         base, token = m.group(1), m.group(3)
         deadline = time.monotonic() + 120
         while True:
