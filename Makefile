@@ -7,7 +7,22 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.sonata-installed
 RUN     ?= runs/train
 NB_ARGS ?=
-TORCH_PIN := torch==2.13.0
+# PyTorch's build: `cpu` unless this machine has an NVIDIA driver (nvidia-smi), or as asked
+# (`make setup TORCH=cuda` / `TORCH=cpu`). On Linux the package index's torch is a CUDA
+# build of several GB: the CPU build (2.13.0+cpu) comes from a local wheel cache when pip
+# has one, else from PyTorch's CPU index (TORCH_CPU_INDEX). Elsewhere (macOS, Windows) the
+# index's torch is the CPU build already.
+TORCH_VERSION := 2.13.0
+TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+ifeq ($(TORCH)-$(shell uname -s),cpu-Linux)
+TORCH_INSTALL = pip install -q "torch==$(TORCH_VERSION)+cpu" 2>/dev/null || \
+	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)+cpu" --extra-index-url $(TORCH_CPU_INDEX)
+else ifneq ($(filter cpu cuda,$(TORCH)),)
+TORCH_INSTALL = pip install -q "torch==$(TORCH_VERSION)"
+else
+TORCH_INSTALL = $(error TORCH must be cpu or cuda, not '$(TORCH)')
+endif
 
 export PYTHONHASHSEED := 0
 export TIKTOKEN_CACHE_DIR ?= $(CURDIR)/.cache/tiktoken
@@ -18,12 +33,13 @@ export HF_DATASETS_OFFLINE ?= 1
 
 setup: $(STAMP)
 
-# Pinned CPU torch first: with torch already satisfied, installing the package
-# never pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml
-	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+# The chosen torch build first: with torch already satisfied, installing the package never
+# pulls another one. The stamp follows this Makefile too (a changed recipe re-runs it).
+$(STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || { rm -rf $(VENV); \
+		echo "error: '$(PY) -m venv' failed: Python's venv module is missing (Debian and Ubuntu: apt-get install python3-venv)" >&2; exit 2; }
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	$(BIN)/python -m $(TORCH_INSTALL)
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (sonata)" >/dev/null
 	@touch $(STAMP)
@@ -57,5 +73,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/scan.py
 	$(BIN)/python benchmarks/train_speed.py
 
+# numba's compiled kernels are cached beside their sources (__pycache__/*.nbi, *.nbc)
 clean:
 	rm -rf $(VENV) .cache .pytest_cache runs
+	find sonata -name '*.nbi' -delete -o -name '*.nbc' -delete

@@ -46,3 +46,50 @@ def test_lab_prints_its_url_once_it_answers_and_keeps_the_token_off_command_line
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def _make(*args, **env):
+    return subprocess.run(["make", *args], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, **env))
+
+
+def test_setup_installs_the_cpu_torch_unless_asked_for_cuda():
+    """A fresh Linux machine with only the public index would take the CUDA build of several
+    GB for `torch==2.13.0`: without a GPU, setup asks for the CPU build (2.13.0+cpu: a local
+    wheel cache, else PyTorch's CPU index); TORCH=cuda asks for the index's build; another
+    value is one error."""
+    import platform
+    cpu = _make("-n", "-B", ".venv/.sonata-installed", "TORCH=cpu").stdout
+    cuda = _make("-n", "-B", ".venv/.sonata-installed", "TORCH=cuda").stdout
+    if platform.system() == "Linux":
+        assert '"torch==2.13.0+cpu"' in cpu and "--extra-index-url https://download.pytorch.org/whl/cpu" in cpu
+    assert '"torch==2.13.0"' in cuda and "+cpu" not in cuda
+    bad = _make("-n", "-B", ".venv/.sonata-installed", "TORCH=gpu")
+    assert bad.returncode != 0 and "TORCH must be cpu or cuda" in bad.stderr
+
+
+def test_setup_reruns_when_the_makefile_changes_and_clean_clears_numba_caches():
+    assert _make("-q", "-W", "Makefile", ".venv/.sonata-installed").returncode == 1   # out of date
+    assert "find sonata -name '*.nbi' -delete -o -name '*.nbc' -delete" in _make("-n", "clean").stdout
+
+
+def test_setup_without_venv_says_so_in_one_line(tmp_path):
+    r = _make("setup", f"VENV={tmp_path / 'v'}", "PY=false")
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert lines and "python3-venv" in lines[0] and not (tmp_path / "v").exists()
+
+
+def test_ci_run_without_root_and_browser_says_so_before_apt(tmp_path):
+    """Not root and no browser: one error line, exit 2, apt-get never run."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "id").write_text("#!/bin/sh\necho 1000\n")
+    (fake / "apt-get").write_text(f"#!/bin/sh\ntouch {tmp_path}/apt-ran\n")
+    (fake / "make").write_text(f"#!/bin/sh\ntouch {tmp_path}/make-ran\n")     # never the real suite
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    r = subprocess.run(["bash", str(REPO / ".ci/run")], cwd=REPO, capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", SONATA_CHROMIUM="no-such-chromium"))
+    assert r.returncode == 2 and "needs root" in r.stderr, r.stderr
+    assert not (tmp_path / "apt-ran").exists() and not (tmp_path / "make-ran").exists()
