@@ -62,7 +62,7 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 1000       # optimizer steps; under train.max_seconds a cap (0: none): the first to end wins
-    max_seconds: float = 0.0    # time budget: seconds of step time to train, lr over their fraction; 0: off
+    max_seconds: float = 0.0    # time budget: seconds inside optimizer steps (not setup, evaluation or checkpoints: the summary's setup_s, eval_s, checkpoint_s), lr over their fraction; 0: off
     micro_batch: int = 0        # sequences per forward/backward; 0: the profile's choice
     effective_batch: int = 0    # sequences per optimizer step (micro x accumulation); 0: the profile's
     autotune: bool = False      # measure the profile's candidate micro-batches first, train with the fastest that fits

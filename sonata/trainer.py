@@ -235,6 +235,8 @@ class Trainer:
         self._consecutive_nonfinite = 0
         self._step_start = None       # (sampler, rng) at the start of the step in progress (DDP)
         self.checkpoint_seconds: list[float] = []
+        self.setup_seconds = 0.0      # before the first step of run() (autotuning, kernel warm-up)
+        self.eval_seconds = 0.0       # validation inside run()
         self._last_save = time.monotonic()
         self.resumed_from_step = int(state["step"]) if state else None
         self.history: list[dict] = []
@@ -481,6 +483,13 @@ class Trainer:
                                max(16, self.plan.micro_batch), t.eval_tokens if max_tokens is None else max_tokens,
                                self.plan.precision, (self.rank, self.world))
 
+    def _timed_evaluate(self):
+        t0 = time.perf_counter()
+        try:
+            return self.evaluate()
+        finally:
+            self.eval_seconds += time.perf_counter() - t0
+
     def evaluate_int8_export(self) -> EvalResult:
         """Validation of a model rebuilt from the real int8 export (weights int8 + scales)."""
         q = MambaLM(self.cfg.model).to(self.device)
@@ -505,6 +514,7 @@ class Trainer:
         t = self.cfg.train
         t_start = time.perf_counter()
         self._prepare()
+        self.setup_seconds = time.perf_counter() - t_start       # autotuning, DDP, kernel warm-up
         metrics = self._open_metrics() if self.out_dir else None
         tboard = TensorBoardLog(self.out_dir) if metrics and t.tensorboard else None
         speed = _Throughput()
@@ -524,7 +534,7 @@ class Trainer:
                         on_step(self, row)
                     final = self._finished(row)
                     if (t.eval_every and self.step % t.eval_every == 0) or final:
-                        last_eval = self.evaluate()
+                        last_eval = self._timed_evaluate()
                         row.update(last_eval.fields())
                     self.history.append(row)
                     due = self.step % t.log_every == 0 or final or "val_loss" in row or row["skipped"]
@@ -560,7 +570,7 @@ class Trainer:
             if tboard:
                 tboard.close()
         self._warn_if_capped()
-        return self._finish(last_eval or self.evaluate(), speed, time.perf_counter() - t_start)
+        return self._finish(last_eval or self._timed_evaluate(), speed, time.perf_counter() - t_start)
 
     def _finished(self, row: dict | None = None) -> bool:
         """Whether the run is over, and why (`stopped_by`): its budget spent (the step of
@@ -751,7 +761,9 @@ class Trainer:
             peak_mem, guard_peak = distributed.all_reduce_max([peak_mem, guard_peak])
         summary = {
             "steps": self.step, "tokens": self.tokens,
-            "wall_s": wall_s,
+            # where the run's time went: a time budget (max_seconds) counts train_seconds only
+            "wall_s": wall_s, "setup_s": self.setup_seconds, "eval_s": self.eval_seconds,
+            "checkpoint_s": sum(self.checkpoint_seconds),
             "max_seconds": self.cfg.train.max_seconds, "train_seconds": self.train_seconds,
             "stopped_by": self.stopped_by, "resumed_budget": self.resumed_budget,
             "tok_per_s_sustained": speed.sustained,

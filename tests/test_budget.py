@@ -277,3 +277,15 @@ def test_eval_bad_inputs_are_one_error_line(trained, tmp_path, capsys):
     assert "the following arguments are required: --text" in _eval_error(capsys, path)
     assert _eval_error(capsys, path, "--text", text, "--device", "tpu") == \
         "error: --device must be auto, cpu or cuda, not 'tpu'"
+
+
+def test_summary_says_where_the_time_went_beside_the_budget(tmp_path):
+    """The budget counts optimizer steps only: the summary reports setup, validation and
+    checkpoint seconds beside the training seconds, and together they fit in the wall time."""
+    cfg = make_config(tiny_overrides(**{"train.max_seconds": 2, "train.max_steps": 0, "train.eval_every": 5,
+                                        "train.checkpoint_every": 5}))
+    s = Trainer(cfg, tmp_path, progress="none").run()
+    for key in ("setup_s", "eval_s", "checkpoint_s"):
+        assert s[key] > 0, key
+    assert s["train_seconds"] + s["setup_s"] + s["eval_s"] + s["checkpoint_s"] <= s["wall_s"] + 1e-6
+    assert s["train_seconds"] == pytest.approx(2.0, abs=0.5)
