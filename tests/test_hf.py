@@ -1,59 +1,28 @@
 """Hugging Face interchange against transformers' MambaForCausalLM as the peer oracle
-(random weights saved to a temporary folder, CPU only, nothing downloaded), and the
-fast decoder against the model's plain token-by-token reference."""
+(random weights saved to a temporary folder, CPU only, nothing downloaded). The fast decoder
+is tested in test_decode.py (it does not need transformers)."""
 import json
 import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 from sonata import checkpoint as ckpt
-from sonata.config import Config, ModelConfig
-from sonata.decode import Decoder
+from sonata.config import Config
 from sonata.errors import CheckpointError, SonataError
-from sonata.generate import generate_text, load_model, stream_text
+from sonata.generate import load_model
 from sonata.hf import export_hf, import_hf
 from sonata.model import MambaLM
 from sonata.vocab import Vocab
+from models import VOCAB, _ids, _sonata, _vocab
 
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-VOCAB = 300
-
-
-def _vocab() -> Vocab:
-    return Vocab(np.arange(1000, 1000 + VOCAB - Vocab.FIRST_TOKEN))
-
-
-def _sonata(a_param="log", seed=0, **kw) -> MambaLM:
-    """A small MambaLM with every parameter moved off its initial value (D=1, norms=1 and
-    S4D-real A would let a wrong mapping pass)."""
-    torch.manual_seed(seed)
-    m = MambaLM(ModelConfig(d_model=32, n_layers=2, d_state=8, vocab_size=VOCAB, a_param=a_param,
-                            **kw)).eval()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("A_param"):
-                p.mul_(torch.empty_like(p).uniform_(0.5, 1.5))
-            elif name.endswith("A_log"):
-                p.add_(torch.randn_like(p) * 0.3)
-            elif p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.2)
-            else:
-                p.mul_(torch.empty_like(p).uniform_(0.7, 1.3))
-    return m
-
-
 def _hf(path):
     return transformers.MambaForCausalLM.from_pretrained(str(path)).eval()
-
-
-def _ids(b=3, t=19, seed=1):
-    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("a_param", ["log", "direct"])
@@ -177,77 +146,6 @@ def test_import_refuses_foreign_folders(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 10)
     with pytest.raises(CheckpointError, match="cannot read the weights"):
         import_hf(tmp_path)
-
-
-# --------------------------------------------------------------------------- fast decoding
-
-def test_decoder_matches_the_reference_step_and_parallel_forward():
-    m = _sonata(seed=8, backend="reference").double()
-    idx = _ids(3, 17)
-    with torch.no_grad():
-        full = m(idx)
-        dec = Decoder(m, 3)
-        first = dec.prefill(idx[:, :2]).clone()                          # shorter than d_conv
-        assert torch.allclose(first, full[:, 1], atol=1e-10)
-        for t in range(2, 17):
-            assert torch.allclose(dec.step(idx[:, t]), full[:, t], atol=1e-10), t
-
-
-@pytest.mark.parametrize("batch", [1, 3])
-def test_fused_decode_step_matches_the_torch_step(batch):
-    """The numba step (sonata.kernels.decode_cpu, used for float32 on CPU) against the torch
-    step it replaces, from the same prefill, over 50 tokens: logits and both states."""
-    pytest.importorskip("numba")
-    m = _sonata(seed=12)
-    idx = _ids(batch, 60, seed=5)
-    fused, plain = Decoder(m, batch), Decoder(m, batch, fused=False)
-    assert fused.fused and not plain.fused
-    assert torch.equal(fused.prefill(idx[:, :10]), plain.prefill(idx[:, :10]))
-    for t in range(10, 60):
-        a, b = fused.step(idx[:, t]), plain.step(idx[:, t])
-        assert (a - b).abs().max().item() < 1e-5, t
-    assert (fused.ssm_state - plain.ssm_state).abs().max().item() < 1e-5
-    assert (fused.conv_state - plain.conv_state).abs().max().item() < 1e-5
-    assert fused.pos == plain.pos
-
-
-def test_fused_decode_step_runs_only_where_it_applies():
-    pytest.importorskip("numba")
-    m = _sonata(seed=13)
-    assert Decoder(m, 2).fused
-    assert not Decoder(m.double(), 2).fused                            # float64: the torch step
-    with pytest.raises(ValueError, match="float32 model on the CPU"):
-        Decoder(m, 2, fused=True)
-    m = _sonata(seed=13)
-    m.set_int8(True)
-    assert not Decoder(m, 2).fused                                     # int8: the torch step
-
-
-@pytest.mark.parametrize("batch", [1, 3])
-def test_fused_greedy_generate_equals_reference_generate(batch):
-    pytest.importorskip("numba")
-    m = _sonata(seed=14)
-    prompt = _ids(batch, 7, seed=6)
-    assert torch.equal(m.generate(prompt, 64, temperature=0), m.generate_reference(prompt, 64, temperature=0))
-
-
-@pytest.mark.parametrize("temperature,top_k", [(0.0, 0), (0.9, 20), (1.0, 0)])
-def test_fast_generate_equals_reference_generate(temperature, top_k):
-    m = _sonata(seed=9)
-    prompt = _ids(4, 6)
-    g1, g2 = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
-    fast = m.generate(prompt, 40, temperature=temperature, top_k=top_k, generator=g1)
-    ref = m.generate_reference(prompt, 40, temperature=temperature, top_k=top_k, generator=g2)
-    assert torch.equal(fast, ref)
-
-
-def test_stream_text_equals_batch_generation():
-    m = _sonata(seed=10)
-    vocab = _vocab()
-    for prompt in ("Once upon", ""):
-        streamed = "".join(stream_text(m, vocab, prompt, 30, temperature=0.8, top_k=10, seed=3))
-        whole = generate_text(m, vocab, prompt, n=1, max_new_tokens=30, temperature=0.8, top_k=10, seed=3)[0]
-        assert prompt + streamed == whole
 
 
 def test_export_refuses_a_folder_that_is_not_empty_and_force_replaces_it_whole(tmp_path):

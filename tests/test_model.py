@@ -82,7 +82,6 @@ def test_fused_cpu_training_path_matches_the_float64_reference():
     """The whole training forward on the cpu backend (fused RMSNorm, conv + SiLU and scan, in the
     (batch, L, channels) layout) against the same weights on the reference backend in float64:
     loss and every parameter's gradient."""
-    pytest.importorskip("numba")
     torch.manual_seed(0)
     fused = MambaLM(ModelConfig(vocab_size=300, d_model=40, n_layers=2, backend="cpu"))
     ref = MambaLM(ModelConfig(vocab_size=300, d_model=40, n_layers=2, backend="reference")).double()
@@ -108,8 +107,6 @@ def test_chunked_forward_with_carried_state_equals_one_pass(arch, backend):
     """A sequence run in chunks (1, 6, 64 and 29 positions; the cpu scan's chunk is 128), each
     continuing from the state the previous one returned, gives the logits of one pass over the
     whole sequence within 1e-5, in float32: what evaluation at a million tokens relies on."""
-    if backend == "cpu":
-        pytest.importorskip("numba")
     torch.manual_seed(0)
     m = MambaLM(ModelConfig(arch=arch, vocab_size=16, d_model=32, n_layers=2, d_state=8,
                             backend=backend)).eval()
@@ -130,7 +127,6 @@ def test_architectures_train_on_the_fused_backend(arch):
     """Each architecture's training forward on the cpu backend against the same weights on
     the reference backend in float64: loss and every parameter's gradient (the time-invariant
     mixer runs the fused scan with delta, B and C broadcast from parameters)."""
-    pytest.importorskip("numba")
     torch.manual_seed(0)
     cfg = dict(arch=arch, vocab_size=16, d_model=32, n_layers=2, d_state=8)
     fused = MambaLM(ModelConfig(backend="cpu", **cfg))

@@ -1024,10 +1024,13 @@ _chunk_lengths: dict[int, torch.Tensor] = {}
 
 
 def _chunk_length(chunk: int) -> torch.Tensor:
-    """The chunk length as a 0-d tensor (saved for the backward), made once per value."""
+    """The chunk length as a 0-d tensor (saved for the backward), made once per value, and
+    never as an inference tensor: made first under torch.inference_mode (generation), it
+    could not be saved for a backward later in the same process."""
     t = _chunk_lengths.get(chunk)
     if t is None:
-        t = _chunk_lengths[chunk] = torch.tensor(chunk)
+        with torch.inference_mode(False):
+            t = _chunk_lengths[chunk] = torch.tensor(chunk)
     return t
 
 
