@@ -5,7 +5,8 @@ memory-mapped by training:
   <cache_dir>/tokens/<source>-<key>/train.u16, validation.u16, meta.json
 
 The key (directory name) hashes what the user asked for: the source's identity,
-data.max_stories, data.val_fraction, data.vocab_size and the format version. The
+data.max_stories, data.val_fraction, data.vocab_size, where the vocabulary comes from (the
+rule and its version, or a checkpoint's fixed vocabulary by hash) and the format version. The
 sidecar records what was built: the source's fingerprint (path, size, mtime, sha256
 of its first and last MiB, per file), the tokenizer and its rank-file hash, the
 vocabulary, the story/token/byte counts and a hash of each cache file's first and
@@ -51,7 +52,7 @@ import torch
 from sonata.errors import DataError, writable_dir
 from sonata.progress import Progress
 from sonata.sources import SPLITS, Source, _limited, _sha256_ends, resolve_source, story_batches, validation_mask
-from sonata.vocab import EOT, O200K_SHA256, Vocab, get_tokenizer
+from sonata.vocab import EOT, O200K_SHA256, VOCAB_RULE_VERSION, Vocab, get_tokenizer
 
 CACHE_FORMAT = 1
 CHUNK_TEXT_CHARS = 128 << 10     # text per encoder call (several per batch: one per thread)
@@ -137,10 +138,18 @@ class Prepared:
                 for name, s in self.splits.items()]
 
 
-def _cache_key(src: Source, data_cfg, vocab_size: int) -> dict:
+def _cache_key(src: Source, data_cfg, vocab_size: int, vocab: Vocab | None = None) -> dict:
+    """What a cache is asked to be. `vocabulary` says where its vocabulary comes from: the
+    rule over the training split (with the rule's version, so a changed rule never reuses an
+    old cache) or a fixed vocabulary (a resumed checkpoint's, by its hash). So a checkpoint's
+    vocabulary gets a cache of its own: it never rebuilds, nor is taken for, the cache a
+    fresh run of the same data uses."""
+    source = (f"rule-{VOCAB_RULE_VERSION}" if vocab is None else
+              "fixed-" + hashlib.sha256(np.asarray(vocab.tokens, dtype=np.int64).tobytes()).hexdigest()[:16])
     return {"format": CACHE_FORMAT, "source": src.identity(), "max_stories": data_cfg.max_stories,
             "val_fraction": None if src.has_validation else data_cfg.val_fraction,
-            "vocab_size": vocab_size, "tokenizer": "o200k_base", "tokenizer_sha256": O200K_SHA256}
+            "vocab_size": vocab_size, "vocabulary": source,
+            "tokenizer": "o200k_base", "tokenizer_sha256": O200K_SHA256}
 
 
 def _key_dir(root: Path, src: Source, key: dict) -> Path:
@@ -201,7 +210,7 @@ def prepare(data_cfg, vocab: Vocab | None = None, progress: str | None = None) -
     resumed checkpoint's); None: the training split's most frequent tokens."""
     root = cache_dir_of(data_cfg)
     src = resolve_source(data_cfg.source)
-    key = _cache_key(src, data_cfg, data_cfg.vocab_size)
+    key = _cache_key(src, data_cfg, data_cfg.vocab_size, vocab)
     d = _key_dir(root, src, key)
     fingerprint = src.fingerprint()
     found, why = _check_cache(d, key, fingerprint, vocab)

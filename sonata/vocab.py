@@ -100,6 +100,12 @@ def _o200k_ids(texts: list[str]) -> list[np.ndarray]:
     return [np.asarray(ids, dtype=np.int64) for ids in enc.encode_ordinary_batch(texts)]
 
 
+# The version of the vocabulary rule (Vocab.from_counts: which tokens a training split keeps).
+# Token caches record it in their key: change the rule, bump this, and no cache built by the
+# old rule is reused.
+VOCAB_RULE_VERSION = 1
+
+
 class Vocab:
     """Compact vocabulary with byte fallback.
 

@@ -290,7 +290,6 @@ def _garble_meta(d):
     (_edit_meta(vocab=[]), "vocabulary does not match"),
     (_garble_meta, "unreadable sidecar"),
     ("source", "source changed"),
-    ("checkpoint_vocab", "another vocabulary than the checkpoint's"),
 ])
 def test_a_cache_that_does_not_match_is_rebuilt_with_a_notice(tmp_path, small_txt, embedded,
                                                               capsys, damage, why):
@@ -300,8 +299,6 @@ def test_a_cache_that_does_not_match_is_rebuilt_with_a_notice(tmp_path, small_tx
     if damage == "source":
         stories = embedded[:79] + ["A different last story."]
         small_txt.write_text(f"\n{EOT}\n".join(stories) + "\n")
-    elif damage == "checkpoint_vocab":
-        vocab = Vocab(first.vocab.tokens[:-1])            # a resumed checkpoint's vocabulary
     else:
         damage(first.dir)
     capsys.readouterr()
@@ -310,12 +307,28 @@ def test_a_cache_that_does_not_match_is_rebuilt_with_a_notice(tmp_path, small_tx
     notices = [line for line in err.splitlines() if "rebuilding the token cache" in line]
     assert len(notices) == 1 and why in notices[0], err
     assert not again.cached
-    v, train, val = _reference(stories, size=300)
-    if vocab is not None:
-        tr, va = split_train_val(stories, 0.1)
-        v, train, val = vocab, vocab.encode_stories(tr)[0], vocab.encode_stories(va)[0]
-    _assert_same(again, (v, train, val))
+    _assert_same(again, _reference(stories, size=300))
     assert prepare(cfg, vocab=vocab).cached                # and the rebuilt cache is trusted
+
+
+def test_a_checkpoints_vocabulary_gets_its_own_cache_and_fresh_runs_keep_the_rule(tmp_path, small_txt,
+                                                                                  embedded, capsys):
+    """Resuming a checkpoint whose vocabulary differs builds a cache of its own (no rebuild
+    of the shared one); a later fresh run of the same data still gets the rule's vocabulary
+    from its untouched cache. (Before: the resume rebuilt the shared cache in place with the
+    checkpoint's vocabulary, and every later fresh run silently trained with it.)"""
+    cfg = DataConfig(source=str(small_txt), cache_dir=str(tmp_path / "cache"), vocab_size=300)
+    fresh = prepare(cfg)
+    ckpt_vocab = Vocab(fresh.vocab.tokens[:-1])               # a resumed checkpoint's vocabulary
+    capsys.readouterr()
+    resumed = prepare(cfg, vocab=ckpt_vocab)
+    assert "rebuilding" not in capsys.readouterr().err and resumed.dir != fresh.dir
+    tr, va = split_train_val(embedded[:80], 0.1)
+    _assert_same(resumed, (ckpt_vocab, ckpt_vocab.encode_stories(tr)[0], ckpt_vocab.encode_stories(va)[0]))
+    again = prepare(cfg)
+    assert again.cached and again.dir == fresh.dir
+    assert again.vocab.tokens.tolist() == fresh.vocab.tokens.tolist() != ckpt_vocab.tokens.tolist()
+    assert prepare(cfg, vocab=ckpt_vocab).cached                # the checkpoint's own, reused
 
 
 def test_a_killed_preparation_leaves_nothing_trusted(tmp_path, embedded):
