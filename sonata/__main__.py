@@ -123,10 +123,16 @@ def cmd_train(args) -> int:
             return distributed.launch(args.nproc, argv, max_restarts=max(0, args.max_restarts))
     restarted = distributed.restart_count()
     if restarted and (Path(out) / "checkpoint.pt").exists():
-        # a worker restarted by torchrun / --max-restarts: continue from the run's checkpoint
-        args.resume, args.init = str(Path(out) / "checkpoint.pt"), None    # its weights are in there
+        # a worker restarted by torchrun / --max-restarts continues from the run's checkpoint,
+        # if this launch wrote it: a checkpoint another run left in a reused --out is not this
+        # run's (its workers start over, from --resume or --init as given, or from scratch)
+        path = Path(out) / "checkpoint.pt"
+        mine = ckpt.load(path).get("launch_id") == distributed.launch_id()
+        if mine:
+            args.resume, args.init = str(path), None             # its weights are in there
         if int(os.environ.get("RANK", "0") or 0) == 0:
-            print(f"restart {restarted}: resuming from {args.resume}", flush=True)
+            print(f"restart {restarted}: resuming from {path}" if mine else
+                  f"restart {restarted}: {path} was written by another run, not resumed", flush=True)
     try:
         state = None
         if args.resume:

@@ -120,6 +120,12 @@ def restart_count() -> int:
         return 0
 
 
+def launch_id() -> str | None:
+    """The identity of this launch of the workers: torchrun's (or `launch`'s) run id, the same
+    for every worker and every restart of one launch; None outside the elastic launcher."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") or None
+
+
 def context() -> Context:
     return _ctx
 

@@ -274,6 +274,7 @@ class Trainer:
                 "sampler": self.sampler.state_dict(), "rng": rng_state(),
                 "vocab": self.corpus.vocab.state_dict() if self.corpus else None, "config": self.cfg.to_dict(),
                 "plan": self.plan.to_dict(), "last_row": self._last_row,
+                "launch_id": distributed.launch_id(),   # which launch wrote it (restarts resume only their own)
                 "profile": self.profile.to_dict(), "autotune": self.autotune_result}
 
     def load_state_dict(self, state: dict) -> None:
@@ -794,6 +795,7 @@ class Trainer:
                                   if self.checkpoint_seconds else None),
             "checkpoint_s_max": max(self.checkpoint_seconds, default=None),
             "restarts": distributed.context().restarts, "resumed_from_step": self.resumed_from_step,
+            "launch_id": distributed.launch_id(),
             **self.counters,
             "data": self.corpus.summary() if self.corpus else self.task.summary(self.cfg.data.seq_len),
         }

@@ -165,3 +165,28 @@ def test_a_dead_worker_is_restarted_from_the_emergency_checkpoint(tmp_path):
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     assert [row["loss"] for row in rows] == [row["loss"] for row in _rows(ref)]
     _same_weights(ckpt.load(out / "checkpoint.pt")["model"], ckpt.load(ref / "checkpoint.pt")["model"])
+
+
+def test_a_restarted_worker_resumes_only_its_own_launchs_checkpoint(tmp_path):
+    """A worker restarted by the elastic launcher (TORCHELASTIC_RESTART_COUNT > 0) finds a
+    checkpoint in its --out: written by this launch (the same TORCHELASTIC_RUN_ID), it resumes
+    from it; left there by another run (the user reused --out, this run failed before its
+    first checkpoint), it starts this run over instead of training on from the old state."""
+    out = tmp_path / "run"
+    base = ["--progress", "none", *tiny_overrides(**{"train.max_steps": 4, "train.decay_steps": 8})]
+    env = dict(_env(), TORCHELASTIC_RUN_ID="old-launch")
+    r = subprocess.run([sys.executable, "-m", "sonata", "train", "--out", str(out), *base], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert ckpt.load(out / "checkpoint.pt")["launch_id"] == "old-launch"
+    import shutil
+    shutil.copytree(out, tmp_path / "copy")
+    for folder, launch, resumed in ((out, "new-launch", False), (tmp_path / "copy", "old-launch", True)):
+        env = dict(_env(), TORCHELASTIC_RUN_ID=launch, TORCHELASTIC_RESTART_COUNT="1")
+        r = subprocess.run([sys.executable, "-m", "sonata", "train", "--out", str(folder), *base[:2],
+                            *tiny_overrides(**{"train.max_steps": 6, "train.decay_steps": 8})],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        s = json.loads((folder / "summary.json").read_text())
+        assert (s["resumed_from_step"] == 4) is resumed and s["steps"] == 6, (launch, s["resumed_from_step"])
+        assert ("resuming from" in r.stdout) is resumed and ("another run" in r.stdout) is not resumed
