@@ -25,6 +25,7 @@ created at all, so the single-process path is unchanged.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import glob
 import logging
@@ -52,6 +53,7 @@ WAIT_TIMEOUT_S = 6 * 3600.0    # the autotuner's wait for rank 0's choice
 # becomes 1 byte) before step STEP + 1, so tests can trip one rank only. Never set it
 # outside tests.
 TEST_TRIP_ENV = "SONATA_TEST_TRIP"
+TEST_EXIT_ENV = "SONATA_TEST_EXIT"      # "RANK:POINT": that rank exits at that point (tests only)
 
 
 @dataclass
@@ -146,9 +148,45 @@ def is_main() -> bool:
     return _ctx.rank == 0
 
 
+class CollectiveFailed(RuntimeError):
+    """A collective of the run failed: a peer died or hung. Raised by sonata's collectives
+    (and `collective(...)` sections: DDP's construction and backward) in place of the
+    backend's error, so that what counts as a lost peer is decided by where the error came
+    from, not by words in its message (gloo raises a plain RuntimeError)."""
+
+    def __init__(self, what: str, cause: BaseException):
+        first = str(cause).strip().splitlines()[0][:200] if str(cause).strip() else type(cause).__name__
+        super().__init__(f"{what}: {first}")
+
+
+# The marks of a backend's own failure in an error raised by DDP's backward, where an
+# ordinary autograd error can come from the same call: gloo's and NCCL's sources and the
+# process group's words, not generic ones like "timed out".
+_BACKEND_MARKS = ("gloo/", "ProcessGroupGloo", "NCCL", "ProcessGroupNCCL", "Connection closed by peer",
+                  "Connection reset by peer")
+
+
+@contextlib.contextmanager
+def collective(what: str, backend_marks_only: bool = False):
+    """A section of collective communication: a RuntimeError raised inside becomes
+    CollectiveFailed(what) (`backend_marks_only`: only one carrying a backend's marks, for
+    sections that also run ordinary computation, like DDP's backward)."""
+    try:
+        yield
+    except CollectiveFailed:
+        raise
+    except RuntimeError as e:
+        dist_error = getattr(dist, "DistError", ())
+        if not backend_marks_only or (dist_error and isinstance(e, dist_error)) or \
+                any(m in str(e) for m in _BACKEND_MARKS):
+            raise CollectiveFailed(what, e) from e
+        raise
+
+
 def _reduce(values, op, group=None) -> list[float]:
     t = torch.tensor([float(v) for v in values], dtype=torch.float64)
-    dist.all_reduce(t, op=op, group=group or _ctx.ctl)
+    with collective("all-reduce"):
+        dist.all_reduce(t, op=op, group=group or _ctx.ctl)
     return t.tolist()
 
 
@@ -174,7 +212,8 @@ def broadcast_int(value: int, src: int = 0, wait: bool = False) -> int:
     if not active():
         return int(value)
     t = torch.tensor([int(value)], dtype=torch.int64)
-    dist.broadcast(t, src=src, group=_ctx.wait if wait else _ctx.ctl)
+    with collective("broadcast"):
+        dist.broadcast(t, src=src, group=_ctx.wait if wait else _ctx.ctl)
     return int(t.item())
 
 
@@ -183,7 +222,8 @@ def broadcast_object(obj, src: int = 0, wait: bool = False):
     if not active():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=_ctx.wait if wait else _ctx.ctl)
+    with collective("broadcast"):
+        dist.broadcast_object_list(box, src=src, group=_ctx.wait if wait else _ctx.ctl)
     return box[0]
 
 
@@ -222,18 +262,15 @@ def agree_on_trip(err: MemoryBudgetExceeded | None, numbers=()) -> list[float]:
 
 def barrier() -> None:
     if active():
-        dist.barrier(group=_ctx.ctl)
+        with collective("barrier"):
+            dist.barrier(group=_ctx.ctl)
 
 
 def is_comm_error(e: BaseException) -> bool:
-    """A failure of a collective (a peer died or timed out), not a bug of this rank."""
+    """A failure of a collective (a peer died or hung), not a bug of this rank: by type only
+    (CollectiveFailed from sonata's collectives, or torch's DistError), never by message."""
     dist_error = getattr(dist, "DistError", ())
-    if dist_error and isinstance(e, dist_error):
-        return True
-    text = str(e)
-    return isinstance(e, RuntimeError) and any(
-        w in text for w in ("gloo", "Gloo", "NCCL", "Connection closed by peer", "Connection reset",
-                            "timed out", "Timed out"))
+    return isinstance(e, CollectiveFailed) or bool(dist_error and isinstance(e, dist_error))
 
 
 def shutdown(barrier: bool = False) -> None:
@@ -270,6 +307,15 @@ def test_trip_hook(this_rank: int):
         if trainer.step == at:
             trainer.guard.budget = 1
     return trip
+
+
+def test_exit_point(point: str) -> None:
+    """Test-only (TEST_EXIT_ENV="RANK:POINT"): this rank dies (os._exit, no cleanup) at `point`
+    of the trainer (`prepare`: before the DDP wrapper; `finish`: before the final evaluation),
+    so the tests see survivors lose a peer outside the training step. Nothing when unset."""
+    spec = os.environ.get(TEST_EXIT_ENV, "")
+    if spec and spec == f"{_ctx.rank}:{point}":
+        os._exit(1)
 
 
 def local_threads(local_world: int) -> int:

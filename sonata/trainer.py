@@ -404,7 +404,9 @@ class Trainer:
                 with autocast_for(plan.precision, self.device):
                     logits = net(xb)                                    # (mb, L, V)
                 loss = self._loss(logits.float(), yb)
-                self.scaler.scale(loss / acc).backward(retain_graph=self.injected_leak.retain_graph)
+                with distributed.collective("DDP backward", backend_marks_only=True) if net is not self.model \
+                        else contextlib.nullcontext():          # DDP all-reduces gradients in it
+                    self.scaler.scale(loss / acc).backward(retain_graph=self.injected_leak.retain_graph)
                 loss_sum += loss.detach()
                 self.injected_leak.after_backward(loss, logits)
         return loss_sum
@@ -514,7 +516,8 @@ class Trainer:
         train.max_steps=0 means no step cap. train.eval_every stays in steps."""
         t = self.cfg.train
         t_start = time.perf_counter()
-        self._prepare()
+        with self._on_lost_peer():           # autotuning and DDP's construction talk to the peers too
+            self._prepare()
         self.setup_seconds = time.perf_counter() - t_start       # autotuning, DDP, kernel warm-up
         metrics = self._open_metrics() if self.out_dir else None
         tboard = TensorBoardLog(self.out_dir) if metrics and t.tensorboard else None
@@ -571,7 +574,9 @@ class Trainer:
             if tboard:
                 tboard.close()
         self._warn_if_capped()
-        return self._finish(last_eval or self._timed_evaluate(), speed, time.perf_counter() - t_start)
+        with self._on_lost_peer():           # the final evaluation and the peaks are collectives
+            distributed.test_exit_point("finish")
+            return self._finish(last_eval or self._timed_evaluate(), speed, time.perf_counter() - t_start)
 
     def _finished(self, row: dict | None = None) -> bool:
         """Whether the run is over, and why (`stopped_by`): its budget spent (the step of
@@ -617,7 +622,9 @@ class Trainer:
             self._warm_kernels()
         if self.world > 1 and self._net is None:
             from torch.nn.parallel import DistributedDataParallel as DDP
-            self._net = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            distributed.test_exit_point("prepare")
+            with distributed.collective("DDP construction"):     # it broadcasts rank 0's weights
+                self._net = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self._stop = None
         self._leak_warned = False
         self._last_save = time.monotonic()

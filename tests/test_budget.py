@@ -274,7 +274,7 @@ def test_eval_bad_inputs_are_one_error_line(trained, tmp_path, capsys):
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"not a checkpoint at all")
     assert "truncated or corrupt" in _eval_error(capsys, bad, "--text", text)
-    assert "the following arguments are required: --text" in _eval_error(capsys, path)
+    assert _eval_error(capsys, path) == "error: eval needs --text FILE for a language model (--lengths is for task checkpoints)"
     assert _eval_error(capsys, path, "--text", text, "--device", "tpu") == \
         "error: --device must be auto, cpu or cuda, not 'tpu'"
 

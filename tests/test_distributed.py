@@ -148,3 +148,34 @@ def test_a_guard_trip_on_one_rank_stops_every_rank(tmp_path):
     assert r.stdout.strip() == ""
     model, vocab, cfg = load_model(out / "checkpoint.pt")
     assert ckpt.load(out / "checkpoint.pt")["step"] == 2 and cfg.model.d_model == 32
+
+
+@pytest.mark.parametrize("point", ["prepare", "finish"])
+def test_a_peer_lost_outside_the_step_is_one_line_and_a_survivors_checkpoint(tmp_path, point):
+    """Rank 1 dies before DDP's construction (`prepare`) or before the final evaluation
+    (`finish`; test-only switch sonata.distributed.TEST_EXIT_ENV): rank 0 survives, writes the
+    last completed step's checkpoint and reports one `error:` line naming the lost peer, no
+    traceback (before: raw communication errors there, and no checkpoint)."""
+    out = tmp_path / "run"
+    r = _sonata("train", "--nproc", "2", "--out", str(out), "--progress", "none",
+                *tiny_overrides(**BASE, **{"train.micro_batch": 2}), env=_env(SONATA_TEST_EXIT=f"1:{point}"))
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "lost" in lines[0] or "another process" in lines[0], lines[0]
+    state = ckpt.load(out / "checkpoint.pt")
+    assert state["step"] == (0 if point == "prepare" else STEPS)
+
+
+def test_lost_peers_are_known_by_type_not_by_words():
+    from sonata.distributed import CollectiveFailed, collective, is_comm_error
+    assert not is_comm_error(RuntimeError("the data loader timed out"))
+    assert not is_comm_error(RuntimeError("gloo"))                 # words alone are not a lost peer
+    with pytest.raises(CollectiveFailed) as e:
+        with collective("all-reduce"):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    assert is_comm_error(e.value) and str(e.value).startswith("all-reduce: [gloo")
+    with pytest.raises(RuntimeError) as plain:                     # an autograd error in DDP's backward
+        with collective("DDP backward", backend_marks_only=True):
+            raise RuntimeError("one of the variables needed for gradient computation has been modified")
+    assert not is_comm_error(plain.value)
