@@ -32,7 +32,7 @@ from sonata.data import BatchSampler, Corpus, build_corpus, d2h, h2d
 from sonata.device import autocast_for, check_precision, resolve_device, sync
 from sonata.errors import CheckpointError, ConfigError, TrainingDiverged, TrainingInterrupted, WorkerLost
 from sonata.evaluate import EvalResult, evaluate_stream
-from sonata.memory import (InjectedLeak, LeakDetector, MemoryBudgetExceeded, MemoryGuard,
+from sonata.memory import (STAGE_SETTLE_STEPS, InjectedLeak, LeakDetector, MemoryBudgetExceeded, MemoryGuard,
                            available_ram_bytes, device_total_bytes, peak_memory_bytes,
                            release_free_memory, steady_cpu_heap)
 from sonata.model import MambaLM, param_groups
@@ -687,8 +687,8 @@ class Trainer:
         curriculum moving to its next length) starts its window afresh: the memory a longer
         sequence needs is the workload's, not a leak."""
         if row["step_tokens"] != self._step_tokens:
-            if self._step_tokens is not None:
-                self.leak = LeakDetector()
+            if self._step_tokens is not None:           # the heap settles for a few steps first
+                self.leak = LeakDetector(skip=STAGE_SETTLE_STEPS)
             self._step_tokens = row["step_tokens"]
         self.leak.record(row["mem_bytes"])
         if self.leak.enough:
