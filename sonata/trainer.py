@@ -33,7 +33,7 @@ from sonata.device import autocast_for, check_precision, resolve_device, sync
 from sonata.errors import CheckpointError, ConfigError, TrainingDiverged, TrainingInterrupted, WorkerLost
 from sonata.evaluate import EvalResult, evaluate_stream
 from sonata.memory import (STAGE_SETTLE_STEPS, InjectedLeak, LeakDetector, MemoryBudgetExceeded, MemoryGuard,
-                           available_ram_bytes, device_total_bytes, peak_memory_bytes,
+                           available_ram_bytes, device_total_bytes, leak_threshold, peak_memory_bytes,
                            release_free_memory, steady_cpu_heap)
 from sonata.model import MambaLM, param_groups
 from sonata.plan import Plan, plan_batch, resumed_inputs
@@ -689,6 +689,7 @@ class Trainer:
         if row["step_tokens"] != self._step_tokens:
             if self._step_tokens is not None:           # the heap settles for a few steps first
                 self.leak = LeakDetector(skip=STAGE_SETTLE_STEPS)
+            self.leak.threshold = leak_threshold(row["step_tokens"])     # it grows with the step
             self._step_tokens = row["step_tokens"]
         self.leak.record(row["mem_bytes"])
         if self.leak.enough:

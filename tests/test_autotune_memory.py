@@ -309,6 +309,28 @@ def test_leak_detector_reads_a_sawtooth_of_heap_trims_as_flat():
         assert flagged is not None and flagged <= 100, (seed, flagged)
 
 
+def test_the_leak_threshold_grows_with_the_step():
+    """256 KiB per step up to 4,096 tokens a step (the seed model's 2,048 keep it), 64 bytes
+    per token above: notebook 08's heap settling at 32,768 tokens a step (+0.35 MiB per step
+    for 100 steps under the sawtooth) is no leak there, a kept graph (~19 KiB per token) is."""
+    import numpy as np
+
+    from sonata.memory import leak_threshold
+    assert leak_threshold(None) == leak_threshold(2048) == leak_threshold(4096) == 256 * 1024
+    assert leak_threshold(32768) == 2 * MiB
+    r = np.random.default_rng(0)
+    settling, kept = LeakDetector(threshold=leak_threshold(32768)), LeakDetector(threshold=leak_threshold(32768))
+    for i in range(100):
+        settling.record(int(_sawtooth(i, r) + i * 0.35 * MiB))
+        kept.record(int(_sawtooth(i, r) + i * 19 * 1024 * 32768))
+    assert not settling.leaking()
+    assert kept.leaking()
+    default = LeakDetector()                      # the seed model's allowance reads it as a leak
+    for y in settling.samples:
+        default.record(y)
+    assert default.leaking()
+
+
 def test_trainer_reports_a_real_leak_and_a_clean_run():
     base = tiny_overrides(**{"model.d_model": 64, "data.seq_len": 64, "train.micro_batch": 8,
                              "train.effective_batch": 8, "train.max_steps": 22})
