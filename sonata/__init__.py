@@ -1,10 +1,21 @@
 """sonata: a tiny Mamba language model on TinyStories, with its own selective-scan
 kernels and benchmarks that carry their own proof of validity.
 
-Modules: config (dataclasses), data (corpus, tokenizer, vocabulary, token cache, batches),
-kernels (selective scan backends), autograd (kernel <-> autograd glue), model
-(MambaLM), trainer (the loop), checkpoint (atomic save, safe load), progress,
-plots, and the command line in __main__.
+Modules, from the bottom layer up (tests/test_layering.py keeps the imports one way):
+- errors (one-line user errors), config (every setting), device, rng, progress, plots, peers
+  (the benchmarks' comparison models);
+- vocab (o200k and the compact vocabulary), sources (where stories come from), token_cache,
+  data (text to batches), tasks (the Mamba paper's synthetic tasks);
+- kernels (the selective scan: reference, cpu (numba), triton; decode_cpu, the fused
+  generation step; numba_cache; timing), autograd (kernel <-> autograd glue), quant (int8),
+  decode (the Decoder);
+- model (MambaLM: mamba, lti, attention blocks), ops (mamba_ssm's op surface on the kernels);
+- memory (guard, leak detector), plan (what a run trains with), checkpoint;
+- autotune (the micro-batch), distributed (process groups);
+- trainer (the loop), generate, evaluate, hf (transformers interchange);
+- bench (benchmarks with their proof), studies, dynamics, selection (the notebooks' studies),
+  notebook (parameter ranges), tensorboard_log;
+- __main__, the command line.
 """
 from __future__ import annotations
 

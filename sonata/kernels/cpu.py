@@ -87,13 +87,23 @@ blocks in order into its own (L, N) partial, and dA, dD, ddelta_bias into
 per-(batch, channel) partials. A second parallel pass sums the partials in a fixed
 order. The lane reductions have a fixed (compile-time) order too. The same inputs
 therefore give bit-identical gradients, whatever the number of threads.
+What is exact, and what is not: with one build of the kernels (one lane width W on one
+host), outputs and gradients are bit-identical on repeat, for any thread count and for
+either input layout (contiguous, or the model's time-major views and B / C as slices of a
+wider tensor: layouts change only the copies into the lane buffers). Each thread's scratch
+(numba hoists the np.empty calls out of the prange body, once per thread, not shared) is
+written before it is read for every work item. Across lane widths (16 or 32:
+SONATA_CPU_LANES, or an AVX2 against an AVX-512 host) the lane reductions of dB, dC and the
+delta projection's dX sum in another order, and codegen may fuse other multiply-adds: equal
+to float32 rounding, checked against the float64 reference, not bit for bit.
 
 Precision. float32 arithmetic for float16 / bfloat16 / float32 inputs (numba has
 no bfloat16: the torch glue converts to contiguous float32 numpy arrays), float64
 for float64 inputs, so `torch.autograd.gradcheck` runs through the fused backward.
 In float32, exp and softplus are vectorizable polynomial versions (< 1 ulp, see
 below) instead of libm calls. The kernels are compiled for both dtypes (lazily,
-on first use) and cached on disk (`cache=True`, NUMBA_CACHE_DIR is honoured).
+on first use) and cached on disk (`cache=True`, NUMBA_CACHE_DIR is honoured), the cache
+keyed by every source of this folder (`numba_cache`: an edit here reaches decode_cpu's kernels).
 """
 from __future__ import annotations
 
@@ -109,7 +119,10 @@ from llvmlite.binding import get_host_cpu_features
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from sonata.kernels import numba_cache
 from sonata.kernels.reference import compute_dtype
+
+numba_cache.install()      # before any @njit(cache=True): the cache is keyed by all kernel sources
 
 # Time steps between saved states. The backward's per-thread scratch is about
 # 2 * CHUNK * N * W floats (states and decays of a block): 256 KiB at N = 16 and W = 16,

@@ -27,7 +27,8 @@ softplus are the scan kernels' float32 versions (sonata.kernels.cpu: < 1 ulp, an
 relative, from libm's); the compile flags are theirs too (`_vec`: sums may be reassociated
 and multiply-adds fused, so results differ from the torch step's by float32 rounding).
 Single-threaded: at these sizes a thread pool's fork/join
-costs more than a step. Compiled on first use, cached on disk (`cache=True`).
+costs more than a step. Compiled on first use, cached on disk (`cache=True`; the cache is keyed
+by every kernel source, `numba_cache`, since the step embeds cpu.py's helpers).
 """
 from __future__ import annotations
 

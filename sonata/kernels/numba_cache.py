@@ -1,0 +1,77 @@
+"""numba's on-disk cache for sonata's kernels, keyed by all of their sources.
+
+numba keys a cached kernel by the hash of the one file that defines it. A kernel's compiled
+code also holds the helpers it calls from other files (`decode_cpu.step` embeds
+`cpu._exp_f32`, the compile flags and lane width come from `cpu.py`): edit such a helper and
+a warm cache keeps running the old one. `install()` puts a locator in front of numba's own
+for the files of this folder only: it caches where numba would (NUMBA_CACHE_DIR, else
+`__pycache__` beside the source) but stamps every kernel with the hash of every `.py` file
+here, so a change to any of them recompiles all of them on next use. Other numba code in
+the process keeps numba's locators. (NUMBA_CACHE_LOCATOR_CLASSES, when set, replaces the
+locator list and this with it.)
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import hashlib
+import os
+
+from numba.core import caching
+
+KERNEL_DIR = os.path.dirname(os.path.abspath(__file__))
+_IMPL = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl")   # numba >= 0.61 / older
+
+
+@functools.lru_cache(maxsize=None)
+def _hash(stats: tuple) -> bytes:
+    h = hashlib.sha256()
+    for path, _, _ in stats:
+        with open(path, "rb") as f:
+            h.update(os.path.basename(path).encode() + b"\0" + f.read() + b"\0")
+    return h.digest()
+
+
+def sources_stamp() -> bytes:
+    """sha256 over this folder's .py files (name and content, in name order); recomputed when
+    a file's mtime or size changes."""
+    paths = sorted(glob.glob(os.path.join(KERNEL_DIR, "*.py")))
+    return _hash(tuple((p, os.stat(p).st_mtime_ns, os.stat(p).st_size) for p in paths))
+
+
+class KernelSourcesLocator(caching._CacheLocator):
+    """numba's own locator for the place, this folder's sources for the stamp."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def ensure_cache_path(self):
+        self._inner.ensure_cache_path()
+
+    def get_cache_path(self):
+        return self._inner.get_cache_path()
+
+    def get_source_stamp(self):
+        return sources_stamp()
+
+    def get_disambiguator(self):
+        return self._inner.get_disambiguator()
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        if os.path.dirname(os.path.abspath(py_file)) != KERNEL_DIR:
+            return None
+        for other in _IMPL._locator_classes:
+            if other is not cls:
+                inner = other.from_function(py_func, py_file)
+                if inner is not None:
+                    return cls(inner)
+        return None
+
+
+def install() -> None:
+    """Put KernelSourcesLocator first (once). Call before the kernels' @njit(cache=True) run:
+    numba picks a function's locator when it is decorated."""
+    classes = _IMPL._locator_classes
+    if KernelSourcesLocator not in classes:
+        classes.insert(0, KernelSourcesLocator)
