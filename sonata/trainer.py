@@ -576,7 +576,7 @@ class Trainer:
         self._warn_if_capped()
         with self._on_lost_peer():           # the final evaluation and the peaks are collectives
             distributed.test_exit_point("finish")
-            return self._finish(last_eval or self._timed_evaluate(), speed, time.perf_counter() - t_start)
+            return self._finish(last_eval or self._timed_evaluate(), speed, t_start)
 
     def _finished(self, row: dict | None = None) -> bool:
         """Whether the run is over, and why (`stopped_by`): its budget spent (the step of
@@ -760,11 +760,13 @@ class Trainer:
         return ckpt.MetricsLog(self.out_dir / "metrics.jsonl", through_step=self.step,
                                last_row=self._resumed_last_row)
 
-    def _finish(self, last_eval: EvalResult, speed: _Throughput, wall_s: float) -> dict:
-        """The summary (written with the final checkpoint on rank 0)."""
+    def _finish(self, last_eval: EvalResult, speed: _Throughput, t_start: float) -> dict:
+        """The summary (written with the final checkpoint on rank 0); its wall time runs from
+        `t_start` to after that checkpoint, so it holds every part it lists."""
         plan = self.plan
         if self.out_dir and self.is_main:
             self.save_checkpoint()
+        wall_s = time.perf_counter() - t_start
         peak_mem, guard_peak = (peak_memory_bytes(self.device), self.guard.peak)
         if self.world > 1:
             peak_mem, guard_peak = distributed.all_reduce_max([peak_mem, guard_peak])

@@ -279,13 +279,24 @@ def test_eval_bad_inputs_are_one_error_line(trained, tmp_path, capsys):
         "error: --device must be auto, cpu or cuda, not 'tpu'"
 
 
-def test_summary_says_where_the_time_went_beside_the_budget(tmp_path):
+def test_summary_says_where_the_time_went_beside_the_budget(tmp_path, monkeypatch):
     """The budget counts optimizer steps only: the summary reports setup, validation and
-    checkpoint seconds beside the training seconds, and together they fit in the wall time."""
+    checkpoint seconds beside the training seconds, and together they fit in the wall time
+    (which runs to after the final checkpoint: it once ended before it, and on a loaded
+    machine the parts summed to 5 ms more than the wall; each save here takes 0.2 s more)."""
+    import time
+
+    from sonata import checkpoint
+    save = checkpoint.save
+    monkeypatch.setattr(checkpoint, "save", lambda *a, **k: (time.sleep(0.2), save(*a, **k))[1])
     cfg = make_config(tiny_overrides(**{"train.max_seconds": 2, "train.max_steps": 0, "train.eval_every": 5,
                                         "train.checkpoint_every": 5}))
-    s = Trainer(cfg, tmp_path, progress="none").run()
+    tr = Trainer(cfg, tmp_path, progress="none")
+    s = tr.run()
     for key in ("setup_s", "eval_s", "checkpoint_s"):
         assert s[key] > 0, key
     assert s["train_seconds"] + s["setup_s"] + s["eval_s"] + s["checkpoint_s"] <= s["wall_s"] + 1e-6
-    assert s["train_seconds"] == pytest.approx(2.0, abs=0.5)
+    # the last step is the one projected to reach the budget (however long a loaded machine
+    # made it): the one before was projected short of it
+    rows = tr.history
+    assert rows[-1]["progress"] == 1.0 and rows[-2]["progress"] < 1.0 and s["stopped_by"] == "time"

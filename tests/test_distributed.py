@@ -153,18 +153,23 @@ def test_a_guard_trip_on_one_rank_stops_every_rank(tmp_path):
 @pytest.mark.parametrize("point", ["prepare", "finish"])
 def test_a_peer_lost_outside_the_step_is_one_line_and_a_survivors_checkpoint(tmp_path, point):
     """Rank 1 dies before DDP's construction (`prepare`) or before the final evaluation
-    (`finish`; test-only switch sonata.distributed.TEST_EXIT_ENV): rank 0 survives, writes the
-    last completed step's checkpoint and reports one `error:` line naming the lost peer, no
-    traceback (before: raw communication errors there, and no checkpoint)."""
+    (`finish`; test-only switch sonata.distributed.TEST_EXIT_ENV): one `error:` line naming the
+    lost peer or the failed rank, no traceback (before: raw communication errors there, and no
+    checkpoint), and after the last step the survivor's checkpoint of it. Before the first
+    step there is nothing to save, and the launcher, stopping the workers as soon as rank 1
+    exits, may stop rank 0 before it says anything (its line is then the launcher's)."""
     out = tmp_path / "run"
     r = _sonata("train", "--nproc", "2", "--out", str(out), "--progress", "none",
                 *tiny_overrides(**BASE, **{"train.micro_batch": 2}), env=_env(SONATA_TEST_EXIT=f"1:{point}"))
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert "lost" in lines[0] or "another process" in lines[0], lines[0]
-    state = ckpt.load(out / "checkpoint.pt")
-    assert state["step"] == (0 if point == "prepare" else STEPS)
+    # rank 0's own line (a lost peer) or the launcher's (rank 1 failed), whichever comes first
+    assert "lost" in lines[0] or "another process" in lines[0] or "worker rank 1 failed" in lines[0], lines[0]
+    if point == "finish":
+        assert ckpt.load(out / "checkpoint.pt")["step"] == STEPS
+    elif (out / "checkpoint.pt").exists():
+        assert ckpt.load(out / "checkpoint.pt")["step"] == 0
 
 
 def test_lost_peers_are_known_by_type_not_by_words():
