@@ -318,7 +318,37 @@ def evaluate_task(model, task: Task, length: int, n: int, seed: int, *, chunked:
 LONG = 1 << 16      # lengths above this are scored on `n_long` sequences (each costs n / n_long times more)
 
 
-def _peak_rss_bytes() -> int:
+def _status_kib(field: str) -> int | None:
+    """A `VmRSS` / `VmHWM` line of /proc/self/status in KiB (None off Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> int | None:
+    """Start measuring a new resident-set peak from now (Linux: `5` to /proc/self/clear_refs
+    resets VmHWM to the current resident set) -> the resident bytes now, or None where the
+    peak cannot be reset (peak_rss_bytes is then the process's peak so far)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    rss = _status_kib("VmRSS")
+    return None if rss is None else rss * 1024
+
+
+def peak_rss_bytes() -> int:
+    """The resident set's peak since the last reset_peak_rss (the process's peak where it
+    cannot be reset)."""
+    hwm = _status_kib("VmHWM")
+    if hwm is not None:
+        return hwm * 1024
     import resource
     import sys
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -334,7 +364,11 @@ def accuracy_by_length(model, task: Task, lengths, n: int = 256, n_long: int = 3
     (linearly for recurrent models, quadratically for attention, times the sequence count),
     would pass the budget is not run, and neither is any longer one: its row says so.
     `on_row(row)` is called as each row is done. Rows: length, sequences, accuracy, loss,
-    seconds, peak_rss_mib (the process's peak resident set so far), note."""
+    seconds, peak_rss_mib (the resident set's peak during this length's evaluation: the
+    process's peak is reset before each length on Linux, so a model trained in the same
+    process does not show its training's peak here; elsewhere the process's peak so far),
+    eval_mib (that peak above the resident set when the length began: what the evaluation
+    itself added; None where the peak cannot be reset), note."""
     attention = getattr(getattr(model, "cfg", None), "arch", "") == "attention"
     rows, last, stop = [], None, None
     for length in lengths:
@@ -346,14 +380,16 @@ def accuracy_by_length(model, task: Task, lengths, n: int = 256, n_long: int = 3
                         f"{'square of the length: attention' if attention else 'length'}) > budget {budget_s:g} s")
         if stop is not None:
             row = {"length": length, "sequences": 0, "accuracy": None, "loss": None, "seconds": None,
-                   "peak_rss_mib": None, "note": stop}
+                   "peak_rss_mib": None, "eval_mib": None, "note": stop}
         else:
+            before = reset_peak_rss()
             t0 = time.perf_counter()
             ev = evaluate_task(model, task, length, k, seed, chunked=not attention)
             dt = time.perf_counter() - t0
             last = (length, k, dt)
             row = {"length": length, "sequences": k, "accuracy": ev.accuracy, "loss": ev.loss,
-                   "seconds": round(dt, 2), "peak_rss_mib": round(_peak_rss_bytes() / 2**20),
+                   "seconds": round(dt, 2), "peak_rss_mib": round(peak_rss_bytes() / 2**20),
+                   "eval_mib": None if before is None else round((peak_rss_bytes() - before) / 2**20),
                    "note": "whole sequences" if attention else f"chunks of {EVAL_BLOCK:,}"}
         rows.append(row)
         if on_row is not None:

@@ -5,6 +5,7 @@ evaluation."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -173,6 +174,23 @@ def test_accuracy_by_length_rows_and_budget():
     assert [r["length"] for r in rows] == [16, 32, 4096]
     assert rows[0]["sequences"] == 4 and 0 <= rows[0]["accuracy"] <= 1 and rows[0]["note"] == "whole sequences"
     assert rows[2]["accuracy"] is None and "square of the length" in rows[2]["note"]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="the peak is reset through Linux's /proc")
+def test_the_peak_resident_set_is_each_lengths_own():
+    """A model trained in the same process (a notebook) once showed its training's peak
+    (5,319 MiB) on every length: the peak is reset before each length now. Here 600 MiB
+    touched and freed before the evaluation do not appear in its row."""
+    import numpy as np
+    big = np.ones(600 * 2**20, dtype=np.uint8)
+    del big
+    torch.manual_seed(0)
+    m = MambaLM(ModelConfig(vocab_size=16, d_model=16, n_layers=1))
+    from sonata.tasks import peak_rss_bytes
+    process_peak = max(peak_rss_bytes(), 600 * 2**20)
+    row = accuracy_by_length(m, InductionHeads(), [64], n=4)[0]
+    assert row["peak_rss_mib"] * 2**20 < process_peak - 400 * 2**20, (row, process_peak / 2**20)
+    assert 0 <= row["eval_mib"] <= row["peak_rss_mib"]
 
 
 def test_cli_task_train_and_eval(tmp_path):
