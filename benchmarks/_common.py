@@ -1,5 +1,5 @@
 """Shared by the benchmark scripts: table printing and the hardware line.
-(Timing lives in sonata.kernels.timing, the mambapy peer in sonata.peers.)
+(Timing lives in sonata.timing, the mambapy peer in sonata.peers.)
 
 Benchmarks print tables measured side by side in one run; ratios matter more
 than absolute figures on a noisy machine. Nothing here is a test.

@@ -7,14 +7,15 @@ Modules, from the bottom layer up (tests/test_layering.py keeps the imports one 
 - vocab (o200k and the compact vocabulary), sources (where stories come from), token_cache,
   data (text to batches), tasks (the Mamba paper's synthetic tasks);
 - kernels (the selective scan: reference, cpu (numba), triton; decode_cpu, the fused
-  generation step; numba_cache; timing), autograd (kernel <-> autograd glue), quant (int8),
+  generation step; numba_cache; autograd, the kernel <-> autograd glue), quant (int8),
   decode (the Decoder);
 - model (MambaLM: mamba, lti, attention blocks), ops (mamba_ssm's op surface on the kernels);
-- memory (guard, leak detector), plan (what a run trains with), checkpoint;
-- autotune (the micro-batch), distributed (process groups);
-- trainer (the loop), generate, evaluate, hf (transformers interchange);
-- bench (benchmarks with their proof), studies, dynamics, selection (the notebooks' studies),
-  notebook (parameter ranges), tensorboard_log;
+- memory (guard, leak detector), plan (what a run trains with), checkpoint, tensorboard_log,
+  hf (transformers export and import), hf_accelerate (transformers' Mamba on sonata's kernels);
+- autotune (the micro-batch), distributed (process groups), evaluate (loss and bits per byte);
+- trainer (the loop), generate;
+- bench (benchmarks with their proof), timing (the scan backends timed side by side), studies, dynamics, selection (the notebooks' studies),
+  notebook (parameter ranges);
 - __main__, the command line.
 """
 from __future__ import annotations

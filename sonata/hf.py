@@ -273,6 +273,28 @@ def config_from_hf(conf: dict, path="") -> Config:
     return cfg.validate()
 
 
+def sonata_state_dict(weights: dict[str, torch.Tensor], cfg: Config, conf: dict, path="") -> dict[str, torch.Tensor]:
+    """transformers' Mamba weights (names as in its state_dict) under MambaLM's names, float32
+    (a float32 tensor is passed through, not copied: `sonata.hf_accelerate` shares storage
+    this way); the tied head checked and set, a missing conv bias (use_conv_bias=false) zero."""
+    sd = {}
+    for k, t in weights.items():
+        k = k.removeprefix("backbone.").replace("embeddings.", "embedding.", 1)
+        sd[k] = t.float()
+    if "embedding.weight" not in sd:
+        raise CheckpointError(f"{path}: no embedding weight (backbone.embeddings.weight)")
+    head = sd.pop("lm_head.weight", None)
+    if head is not None and head is not sd["embedding.weight"] and not torch.equal(head, sd["embedding.weight"]):
+        raise CheckpointError(f"{path}: lm_head.weight differs from the embedding; sonata's MambaLM "
+                              f"ties them (tie_word_embeddings must be true)")
+    sd["lm_head.weight"] = sd["embedding.weight"]
+    for i in range(cfg.model.n_layers):                   # use_conv_bias=false: a zero bias is the same
+        key = f"layers.{i}.mixer.conv1d.bias"
+        if key not in sd and not conf.get("use_conv_bias", True):
+            sd[key] = torch.zeros(cfg.model.d_inner)
+    return sd
+
+
 def import_hf(path, device="cpu") -> tuple[MambaLM, Vocab | None, Config]:
     """MambaLM (eval mode), its vocabulary (None unless the folder has sonata's) and a Config,
     from a transformers Mamba-1 folder: one exported here, or e.g. state-spaces/mamba-130m-hf."""
@@ -284,22 +306,7 @@ def import_hf(path, device="cpu") -> tuple[MambaLM, Vocab | None, Config]:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}/config.json is not JSON ({e})") from None
     cfg = config_from_hf(conf, path)
-    weights = _read_weights(path)
-    sd = {}
-    for k, t in weights.items():
-        k = k.removeprefix("backbone.").replace("embeddings.", "embedding.", 1)
-        sd[k] = t.float()
-    if "embedding.weight" not in sd:
-        raise CheckpointError(f"{path}: no embedding weight (backbone.embeddings.weight)")
-    head = sd.pop("lm_head.weight", None)
-    if head is not None and not torch.equal(head, sd["embedding.weight"]):
-        raise CheckpointError(f"{path}: lm_head.weight differs from the embedding; sonata's MambaLM "
-                              f"ties them (tie_word_embeddings must be true)")
-    sd["lm_head.weight"] = sd["embedding.weight"]
-    for i in range(cfg.model.n_layers):                   # use_conv_bias=false: a zero bias is the same
-        key = f"layers.{i}.mixer.conv1d.bias"
-        if key not in sd and not conf.get("use_conv_bias", True):
-            sd[key] = torch.zeros(cfg.model.d_inner)
+    sd = sonata_state_dict(_read_weights(path), cfg, conf, path)
     model = MambaLM(cfg.model)
     try:
         model.load_state_dict(sd)
@@ -310,4 +317,4 @@ def import_hf(path, device="cpu") -> tuple[MambaLM, Vocab | None, Config]:
 
 
 __all__ = ["export_hf", "import_hf", "hf_config", "hf_state_dict", "config_from_hf", "load_vocab",
-           "is_hf_dir"]
+           "is_hf_dir", "sonata_state_dict"]

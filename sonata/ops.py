@@ -337,7 +337,9 @@ def mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_wei
     _check_real(A)
     _unsupported(cu_seqlens=cu_seqlens, seq_idx=seq_idx)
     dim = conv1d_weight.shape[0]
-    x, z = conv_silu(xz.transpose(1, 2), conv1d_weight, conv1d_bias)    # (batch, L, dim) views
+    if conv1d_bias is None:                                             # the fused conv takes a bias
+        conv1d_bias = conv1d_weight.new_zeros(dim)
+    x, z = conv_silu(xz.transpose(1, 2), conv1d_weight.reshape(dim, 1, -1), conv1d_bias)  # (b, L, dim)
     dt, B, C = _mixer_inputs(x, x_proj_weight, delta_proj_weight.shape[1], A.shape[-1], B, C,
                              B_proj_bias, C_proj_bias)
     if B.dim() == 3 and C.dim() == 3 and B.shape[-1] == C.shape[-1] == x.shape[1] and xz.shape[1] == 2 * dim:

@@ -34,7 +34,7 @@ from sonata.config import ModelConfig, make_config
 from sonata.device import sync
 from sonata.errors import DataError
 from sonata.kernels import cross_entropy, fallback_count, resolve_backend
-from sonata.kernels.timing import saved_tensor_bytes
+from sonata.timing import saved_tensor_bytes
 from sonata.memory import steady_cpu_heap, too_few_steps
 from sonata.model import MambaLM
 from sonata.peers import mambapy_lm

@@ -10,7 +10,7 @@ from conftest import tiny_overrides
 from sonata import kernels
 from sonata.config import make_config
 from sonata.kernels import fallback_count, selective_scan, selective_scan_ref
-from sonata.kernels.timing import make_inputs
+from sonata.timing import make_inputs
 from sonata.trainer import Trainer
 
 

@@ -50,7 +50,7 @@ finally:
         del os.environ["TRITON_INTERPRET"]
 
 import sonata.kernels as kernels  # noqa: E402
-from sonata.autograd import fused_scan  # noqa: E402
+from sonata.kernels.autograd import fused_scan  # noqa: E402
 from sonata.kernels.reference import selective_scan_ref  # noqa: E402
 
 # Interpreted end to end: our kernels and triton.language's own jit functions.

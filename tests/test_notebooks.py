@@ -303,8 +303,8 @@ def test_parameters_cell_states_every_range_and_the_check_follows_it(name):
     assert f'check("{name[:-len(".ipynb")]}", globals())' in next_cell
 
 
-def test_readme_states_the_ranges():
-    readme = (REPO / "README.md").read_text()
+def test_the_notebooks_page_states_the_ranges():
+    readme = (REPO / "docs" / "notebooks.md").read_text()
     for nb, ranges in RANGES.items():
         row = next((ln for ln in readme.splitlines() if ln.startswith(f"| `{nb}` |")), "").replace("\\|", "|")
         for pname, spec in ranges.items():

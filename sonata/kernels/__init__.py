@@ -40,7 +40,7 @@ import warnings
 
 import torch
 
-from sonata.autograd import ConvSiluFn, CrossEntropyFn, RMSNormFn, fused_scan
+from sonata.kernels.autograd import ConvSiluFn, CrossEntropyFn, RMSNormFn, fused_scan
 from sonata.kernels.reference import (conv_silu_ref, cross_entropy_ref, project_delta, rms_norm_ref,
                                      selective_scan_ref)
 

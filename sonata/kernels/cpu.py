@@ -33,22 +33,10 @@ the L time steps of its W channels. Nothing of size (batch, d_inner, L, N) is ev
 stored: besides `out` and the last state it saves one state per chunk of CHUNK
 time steps (the state at the start of the chunk), shape (batch, d_inner, n_chunks, N).
 
-Backward. The adjoint g_t = dLoss/dh_t obeys the reverse scan
-
-    g_t = C_t * dy_t + a_{t+1} * g_{t+1}          (g_{L-1} gets dlast added)
-
-i.e. the same recurrence run backwards with the decay shifted by one step. From
-g_t and the states h_{t-1}, h_t every gradient is local in time:
-
-    dC_t   += dy_t * h_t                    (summed over channels)
-    dB_t   += g_t * dt_t * u_t              (summed over channels)
-    q_t     = g_t * a_t * h_{t-1}
-    dA     += dt_t * q_t                    (summed over batch and time)
-    ddt_t   = sum_n A * q_t + u_t * sum_n B_t * g_t
-    du_t    = D * dy_t + dt_t * sum_n B_t * g_t
-    ddelta  = ddt * sigmoid(delta + delta_bias)      (if softplus; else ddt)
-
-where dy = dout * silu(z). The reverse scan needs h_{t-1} and h_t at every step.
+Backward. The adjoint g_t = dLoss/dh_t runs the recurrence backwards (g_t = C_t dy_t +
+a_{t+1} g_{t+1}) and every gradient is local in time from g_t, h_{t-1} and h_t: the
+derivation and the formulas are written once, in docs/kernels.md ("The scan and its
+backward, derived"). The reverse scan needs h_{t-1} and h_t at every step.
 Storing them all would be the (batch, d_inner, L, N) tensor this kernel exists to
 avoid, so the backward goes over the chunks from last to first, recomputes the
 chunk's states and decays a_t forward from its saved checkpoint into chunk-local

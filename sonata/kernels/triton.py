@@ -26,20 +26,10 @@ program stores its state into a checkpoint tensor `ckpt` (batch, d_inner,
 n_chunks, N): that, with the inputs, is all the backward needs. The full
 (batch, d_inner, L, N) state tensor is never written anywhere.
 
-Backward. The adjoint g_t = dLoss/dh_t obeys the reverse scan
-
-    g_t = C_t * dy_t + a_{t+1} * g_{t+1}          (g_{L-1} gets dlast added)
-
-(the forward recurrence run backwards with the decay shifted by one step), with
-dy = dout * silu(z). Given g_t and h_{t-1}, every gradient is local in time:
-
-    dC_t   += dy_t * h_t                    (summed over channels)
-    dB_t   += g_t * dt_t * u_t              (summed over channels)
-    q_t     = g_t * a_t * h_{t-1}
-    dA     += dt_t * q_t                    (summed over batch and time)
-    ddt_t   = sum_n A * q_t + u_t * sum_n B_t * g_t
-    du_t    = D * dy_t + dt_t * sum_n B_t * g_t
-    ddelta  = ddt * sigmoid(delta + delta_bias)      (if softplus; else ddt)
+Backward. The adjoint g_t = dLoss/dh_t runs the recurrence backwards (g_t = C_t dy_t +
+a_{t+1} g_{t+1}, dy = dout * silu(z)) and every gradient is local in time from g_t,
+h_{t-1} and h_t: the derivation and the formulas are written once, in docs/kernels.md
+("The scan and its backward, derived").
 
 The program visits the chunks from last to first. For each chunk it reloads the
 checkpoint, recomputes the chunk's states forward and writes h_{t-1} for each of
