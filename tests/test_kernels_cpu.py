@@ -1,4 +1,4 @@
-"""The fused numba CPU scan (sonata/kernels/cpu.py) against the float64 reference.
+"""The fused numba CPU scan (sonata/kernels/cpu_scan.py, its glue cpu.py) against the float64 reference.
 
 Inputs are fresh random draws every run. Each test draws its seed from the OS and
 puts it in every assertion message; set SONATA_TEST_SEED=<seed> to replay a failure.
@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from sonata.kernels import cpu  # noqa: E402   numba is a dependency: a broken one fails here, not skips
+from sonata.kernels import cpu, cpu_simd  # noqa: E402   numba is a dependency: a broken one fails here, not skips
 from sonata.kernels import (conv_silu, cross_entropy, cross_entropy_ref, fallback_count, rms_norm,  # noqa: E402
                             selective_scan, selective_scan_ref)
 
@@ -276,11 +276,11 @@ def test_lanes_follow_the_machine_and_the_setting(monkeypatch):
     """The scan's lanes: two vector registers of float32 (32 with AVX-512, 16 otherwise), or
     SONATA_CPU_LANES; a value other than 16 or 32 is refused with a one-line reason (an
     ImportError: the dispatcher reports it as the reason of a fallback)."""
-    expected = os.environ.get("SONATA_CPU_LANES") or ("32" if cpu._vector_bits() == 512 else "16")
-    assert cpu.W == int(expected) and cpu.WC == 16
-    monkeypatch.setattr(cpu, "LANES_OVERRIDE", "64")
+    expected = os.environ.get("SONATA_CPU_LANES") or ("32" if cpu_simd._vector_bits() == 512 else "16")
+    assert cpu_simd.W == cpu.W == int(expected) and cpu_simd.WC == 16
+    monkeypatch.setattr(cpu_simd, "LANES_OVERRIDE", "64")
     with pytest.raises(ImportError, match=r"SONATA_CPU_LANES='64': use 16 or 32"):
-        cpu._lanes_setting(16)
+        cpu_simd._lanes_setting(16)
 
 
 @pytest.mark.skipif(bool(os.environ.get("SONATA_CPU_LANES")), reason="already the child run")
@@ -443,7 +443,7 @@ def test_delta_projection_deterministic(nan_empty):
 # ----------------------------------------------------------------------------- exp, softplus
 
 def test_polynomial_exp_and_softplus_against_float64():
-    """The kernels' vectorizable float32 exp and softplus (sonata/kernels/cpu.py) against numpy's
+    """The kernels' vectorizable float32 exp and softplus (sonata/kernels/cpu_simd.py) against numpy's
     float64 versions, compiled with the kernels' flags: exp within 1.01 ulp wherever the result
     is a normal float32 above its flush threshold (exp(-86.9)), 0 below it, inf where float32
     overflows, NaN for NaN; softplus within 3 ulp (or 2e-38 where the exp flushes), and x itself
@@ -451,11 +451,11 @@ def test_polynomial_exp_and_softplus_against_float64():
     import numba
     import numpy as np
 
-    @numba.njit(**cpu._vec)             # the kernels' flags: what runs inside them
+    @numba.njit(**cpu_simd._vec)        # the kernels' flags: what runs inside them
     def apply(x, out_exp, out_sp):
         for i in range(x.size):
-            out_exp[i] = cpu._exp_f32(x[i])
-            out_sp[i] = cpu._softplus_f32(x[i])
+            out_exp[i] = cpu_simd._exp_f32(x[i])
+            out_sp[i] = cpu_simd._softplus_f32(x[i])
 
     edges = [-np.inf, np.inf, -88.0, -87.0, -86.9, -86.89, 0.0, -0.0, 1e-30, 20.0, 20.001,
              88.72, 88.7228, 88.73, 89.0, 1e30, -1e30]

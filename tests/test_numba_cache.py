@@ -12,7 +12,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # One fused decoding step of a small model from zero states: only decode_cpu.step runs (it
-# embeds cpu._exp_f32, a helper of another file).
+# embeds cpu_simd._exp_f32, a helper of another file).
 STEP = r"""
 import sys
 # the copy, not the checkout: an editable install's import hook would find the checkout first
@@ -44,8 +44,8 @@ def test_an_edited_helper_of_another_file_reaches_a_cached_kernel(tmp_path):
     first = _step(copy / "sonata", env)
     assert list((tmp_path / "numba").rglob("decode_cpu.step-*.nbi")), "the step kernel was not cached"
     assert _step(copy / "sonata", env) == first      # warm cache, same sources: the same figures
-    # edit a helper in cpu.py that decode_cpu.step embeds: exp's last polynomial coefficient
-    cpu = copy / "sonata" / "kernels" / "cpu.py"
+    # edit a helper in cpu_simd.py that decode_cpu.step embeds: exp's last polynomial coefficient
+    cpu = copy / "sonata" / "kernels" / "cpu_simd.py"
     text = cpu.read_text()
     assert text.count("_F(5.0000001201e-1)") == 1
     cpu.write_text(text.replace("_F(5.0000001201e-1)", "_F(4.0e-1)"))

@@ -23,7 +23,7 @@ Matrix-vector products are written as sums of scaled weight rows (out[:] += v[i]
 over the transposed weights: the inner loops are contiguous and vectorize, and for a batch
 every weight row is read once for all the sequences. The decays exp(dt * A) of a sequence
 are computed first, in one flat loop over its (di, n) entries that vectorizes. exp and
-softplus are the scan kernels' float32 versions (sonata.kernels.cpu: < 1 ulp, and < 2e-9
+softplus are the scan kernels' float32 versions (sonata.kernels.cpu_simd: < 1 ulp, and < 2e-9
 relative, from libm's); the compile flags are theirs too (`_vec`: sums may be reassociated
 and multiply-adds fused, so results differ from the torch step's by float32 rounding).
 Single-threaded: at these sizes a thread pool's fork/join
@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from sonata.kernels.cpu import _exp_f32, _softplus_f32, _vec
+from sonata.kernels.cpu_simd import _exp_f32, _softplus_f32, _vec
 
 _ONE = np.float32(1.0)
 

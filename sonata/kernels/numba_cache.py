@@ -2,7 +2,7 @@
 
 numba keys a cached kernel by the hash of the one file that defines it. A kernel's compiled
 code also holds the helpers it calls from other files (`decode_cpu.step` embeds
-`cpu._exp_f32`, the compile flags and lane width come from `cpu.py`): edit such a helper and
+`cpu_simd._exp_f32`, the compile flags and lane width come from `cpu_simd.py`): edit such a helper and
 a warm cache keeps running the old one. `install()` puts a locator in front of numba's own
 for the files of this folder only: it caches where numba would (NUMBA_CACHE_DIR, else
 `__pycache__` beside the source) but stamps every kernel with the hash of every `.py` file

@@ -1,0 +1,201 @@
+"""The fused CPU kernels' shared pieces: lane widths, compile flags, vectorizable float32 exp,
+softplus and sigmoid, and the work queue. Every family (`cpu_scan`, `cpu_conv`, `cpu_norm`,
+`cpu_loss`) compiles with these; `sonata.kernels.cpu` is the torch glue in front of them.
+
+Work distribution. Each parallel pass runs one `prange` iteration per thread, and
+the threads take work items from a shared atomic counter (`_take`) until none are
+left, instead of getting a fixed share each: on a machine where another process
+holds one of the cores, the thread that runs does the work instead of the pass
+waiting for the share of the thread that does not. Which thread computes an item
+never changes what the item computes or where it writes.
+
+Precision. float32 arithmetic for float16 / bfloat16 / float32 inputs (numba has
+no bfloat16: the torch glue converts to contiguous float32 numpy arrays), float64
+for float64 inputs, so `torch.autograd.gradcheck` runs through the fused backward.
+In float32, exp and softplus are vectorizable polynomial versions (< 1 ulp, see
+below) instead of libm calls. The kernels are compiled for both dtypes (lazily,
+on first use) and cached on disk (`cache=True`, NUMBA_CACHE_DIR is honoured), the cache
+keyed by every source of this folder (`numba_cache`: an edit here reaches decode_cpu's kernels).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numba
+import numpy as np
+from llvmlite import ir
+from llvmlite.binding import get_host_cpu_features
+from numba import njit, types
+from numba.extending import intrinsic, overload
+
+from sonata.kernels import numba_cache
+
+numba_cache.install()      # before any @njit(cache=True): the cache is keyed by all kernel sources
+
+LANES_OVERRIDE = os.environ.get("SONATA_CPU_LANES", "")
+
+
+def _vector_bits() -> int:
+    """Width of the vector registers numba compiles for: 512 with AVX-512, else 256 (AVX2;
+    narrower machines just run the same loops in more pieces). The host's, unless numba is
+    told to compile for another CPU (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES)."""
+    if numba.config.CPU_NAME or numba.config.CPU_FEATURES:
+        features = numba.config.CPU_FEATURES or ""
+    else:
+        features = get_host_cpu_features().flatten()
+    return 512 if "+avx512f" in features.split(",") else 256
+
+
+def _lanes_setting(default: int) -> int:
+    """SONATA_CPU_LANES (16 or 32) overrides the scan's lanes, e.g. to test or measure the
+    other width on one machine. The kernels then compile in the process and skip the disk
+    cache (numba's cache does not key on a module constant: it would hand back the kernels of
+    the machine's default width, or keep these for later processes)."""
+    value = LANES_OVERRIDE
+    if value == "":
+        return default
+    if value not in ("16", "32"):     # an ImportError: the dispatcher names it as a fallback's reason
+        raise ImportError(f"SONATA_CPU_LANES={value!r}: use 16 or 32 (or leave it unset)")
+    return int(value)
+
+
+# Channels per block of the scan kernels: the lanes of their vector loops, two vector
+# registers of float32 (16 with AVX2, 32 with AVX-512). Per (time step, state) the kernels
+# also broadcast B and C, run the loop and, in the backward, reduce dB and dC over the lanes;
+# two registers per row spread that over twice the channels of one. Measured on an AVX-512
+# host, 32 lanes against 16: the training step 1.05-1.08x at micro-batch 8 and 1.05x at 32
+# (64 lanes: 1.00x). A work item is one block of W channels of one sequence; the partition
+# depends only on the shapes (and W), so results do not depend on the threads.
+W = _lanes_setting(32 if _vector_bits() == 512 else 16)
+# The lanes of the conv and loss kernels: 16 on every machine (the conv measured slower
+# with 32).
+WC = 16
+
+# error_model="numpy": float division by zero gives inf/nan instead of a Python
+# exception, whose check would also block vectorization.
+_jit = dict(cache=LANES_OVERRIDE == "", nogil=True, error_model="numpy")
+# The kernels' loops over the W lanes may reassociate their sums (the lane reductions
+# of dB, dC) and fuse multiply-adds, so that they vectorize (AVX2 / AVX-512). The order
+# is fixed at compile time: results stay bit-identical from call to call. No 'nnan'/'ninf':
+# NaNs and infinities propagate as in the reference.
+_vec = dict(_jit, fastmath={"reassoc", "contract"})
+# Helpers are inlined into the kernels by numba (a call per time step would pass
+# every array argument's fields on the stack, and block vectorization); they then
+# compile with the kernel's fastmath flags.
+_inline = dict(inline="always")
+
+
+# --------------------------------------------------------------------------- exp
+
+# float32 exp that LLVM can vectorize (libm's expf is a scalar call; numba has no
+# SVML here): Cody-Waite range reduction x = k ln2 + r, |r| <= ln2/2, a degree-7
+# polynomial (Cephes expf), scaling by 2**k built from the exponent bits.
+# Max error 1.003 ulp over the normal range (tested). Results below 2**-125.4 (x < -86.9), which
+# libm returns as tiny normals or subnormals (< 1.9e-38), are flushed to 0; x > 88.72
+# overflows to inf as in libm; NaN stays NaN. float64 uses math.exp.
+# The clamps let NaN through (comparisons with NaN are false) and keep k in [-125, 128],
+# so 2 * 2**(k-1) is one scaling for every k: no branch on the sign of k and no select for
+# inf or NaN in the vector code (tests/test_kernels_cpu.py checks it against float64 exp).
+_F = np.float32
+_LOG2E, _LN2_HI, _LN2_LO = _F(1.44269504088896341), _F(0.693359375), _F(-2.12194440e-4)
+_P0, _P1, _P2 = _F(1.9875691500e-4), _F(1.3981999507e-3), _F(8.3334519073e-3)
+_P3, _P4, _P5 = _F(4.1665795894e-2), _F(1.6666665459e-1), _F(5.0000001201e-1)
+_EXP_LO, _EXP_HI = _F(-86.9), _F(89.0)
+_ZERO, _HALF, _ONE = _F(0.0), _F(0.5), _F(1.0)
+
+
+@intrinsic
+def _pow2_f32(typingctx, k):
+    """2**k as float32 for an integral float32 k in [-126, 127], from the exponent bits."""
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        bits = builder.shl(builder.add(builder.fptosi(args[0], i32), ir.Constant(i32, 127)),
+                           ir.Constant(i32, 23))
+        return builder.bitcast(bits, ir.FloatType())
+    return sig, codegen
+
+
+# Its own fastmath flags, stated: a callee without them inherits its caller's, and in the
+# kernels' 'reassoc' LLVM rewrote (e_r + e_r) * 2**(k-1) as e_r * 2**k, which overflows to inf
+# for 88.37 < x <= 88.72. 'contract' (fused multiply-adds) only; inlined by LLVM with these.
+@njit(**dict(_jit, fastmath={"contract"}))
+def _exp_f32(x):
+    xc = _EXP_LO if x < _EXP_LO else x            # NaN passes both clamps
+    xc = _EXP_HI if xc > _EXP_HI else xc
+    k = np.floor(xc * _LOG2E + _HALF)             # in [-125, 128]
+    r = (xc - k * _LN2_HI) - k * _LN2_LO
+    p = ((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5
+    e_r = (p * r) * r + r + _ONE                  # exp(r)
+    res = (e_r + e_r) * _pow2_f32(k - _ONE)       # 2**128 is no float32; inf past 88.72
+    return _ZERO if x < _EXP_LO else res
+
+
+def _exp(x):
+    return math.exp(x)
+
+
+@overload(_exp, **_inline)
+def _exp_overload(x):
+    if x == types.float32:
+        return lambda x: _exp_f32(x)
+    return lambda x: math.exp(x)
+
+
+# --------------------------------------------------------------------------- work queue
+
+@intrinsic
+def _take(typingctx, counter):
+    """Atomically counter[0] += 1, returning the old value: the next work item to take.
+    counter is a 1-d int64 array. Only hands out work items: no result depends on it."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
+        return None
+    sig = types.int64(counter)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", ary.data, ir.Constant(ir.IntType(64), 1), "monotonic")
+    return sig, codegen
+
+
+# --------------------------------------------------------------------------- softplus, sigmoid
+
+# softplus(x) = max(x, 0) + log1p(w), w = exp(-|x|) in (0, 1], with
+# log1p(w) = 2 atanh(s) = 2 (s + s^3/3 + ... + s^15/15), s = w / (2 + w) <= 1/3
+# (truncation error < 2e-9 relative; < 3 ulp in all after float32 rounding, tested):
+# vectorizable, unlike libm's log1pf, and computed inside the kernel so that the result
+# does not depend on how torch would split an elementwise op over its threads. x > 20
+# returns x (torch's threshold).
+_TWO, _TWENTY = _F(2.0), _F(20.0)
+_Q15, _Q13, _Q11, _Q9 = _F(1 / 15), _F(1 / 13), _F(1 / 11), _F(1 / 9)
+_Q7, _Q5, _Q3 = _F(1 / 7), _F(1 / 5), _F(1 / 3)
+
+
+@njit(**_inline)
+def _softplus_f32(x):
+    w = _exp_f32(-abs(x))
+    s = w / (_TWO + w)
+    s2 = s * s
+    p = ((((((_Q15 * s2 + _Q13) * s2 + _Q11) * s2 + _Q9) * s2 + _Q7) * s2 + _Q5) * s2
+         + _Q3) * s2 + _ONE
+    res = max(x, _ZERO) + (s + s) * p
+    return x if (x > _TWENTY or x != x) else res
+
+
+def _softplus(x):
+    return x if x > 20 else math.log1p(math.exp(x))
+
+
+@overload(_softplus, **_inline)
+def _softplus_overload(x):
+    if x == types.float32:
+        return lambda x: _softplus_f32(x)
+    return lambda x: x if x > 20 else math.log1p(math.exp(x))
+
+
+@njit(**_inline)
+def _sigmoid(x, one):
+    # `one` is 1 in x's dtype: a bare literal would promote float32 arithmetic to float64
+    return one / (one + _exp(-x))
