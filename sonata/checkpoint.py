@@ -12,28 +12,21 @@ failure is a `CheckpointError` with one line naming the file and the problem.
 """
 from __future__ import annotations
 
-import errno
 import io
 import json
 import os
 import pickle
-import time
 import zipfile
 from pathlib import Path
 
 import torch
 
+from sonata import inject
 from sonata.errors import CheckpointError, WriteError
 
 FORMAT = "sonata-checkpoint-v1"
 
-# Test-only switches (never set them outside tests): SONATA_TEST_SLOW_SAVE=S sleeps S
-# seconds between writing a temp file and renaming it (a wide window for a kill inside a
-# write); SONATA_TEST_DISK_FULL_AT=N makes this process's N-th atomic write fail as a
-# full disk does.
-TEST_SLOW_SAVE_ENV = "SONATA_TEST_SLOW_SAVE"
-TEST_DISK_FULL_ENV = "SONATA_TEST_DISK_FULL_AT"
-_writes = 0
+_writes = 0          # atomic writes of this process (a test switch counts them: sonata.inject)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -64,13 +57,11 @@ def write_atomic(path, data: bytes, what: str) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         clear_stale_temp(path)
         with open(tmp, "wb") as f:
-            if os.environ.get(TEST_DISK_FULL_ENV) == str(_writes):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            inject.disk_full(_writes)                     # test-only; nothing when unset
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        if os.environ.get(TEST_SLOW_SAVE_ENV):
-            time.sleep(float(os.environ[TEST_SLOW_SAVE_ENV]))
+        inject.slow_save()                                # test-only; nothing when unset
         os.replace(tmp, path)
     except OSError as e:
         advice = ("the previous checkpoint, if any, is unchanged",) if what == "checkpoint" else ()

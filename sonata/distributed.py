@@ -49,11 +49,6 @@ from sonata.memory import MemoryBudgetExceeded
 DIST_TIMEOUT_S = 60.0          # collectives (and so a dead or stuck peer) time out after this
 WAIT_TIMEOUT_S = 6 * 3600.0    # the autotuner's wait for rank 0's choice
 
-# Test-only: SONATA_TEST_TRIP="RANK:STEP" makes rank RANK's memory guard trip (its budget
-# becomes 1 byte) before step STEP + 1, so tests can trip one rank only. Never set it
-# outside tests.
-TEST_TRIP_ENV = "SONATA_TEST_TRIP"
-TEST_EXIT_ENV = "SONATA_TEST_EXIT"      # "RANK:POINT": that rank exits at that point (tests only)
 
 
 @dataclass
@@ -290,32 +285,6 @@ def shutdown(barrier: bool = False) -> None:
     except Exception:      # noqa: BLE001
         pass
     _ctx = Context()
-
-
-def test_trip_hook(this_rank: int):
-    """Test-only (TEST_TRIP_ENV): a before-step hook that makes this rank's memory guard
-    trip (its budget becomes 1 byte) before step STEP + 1; None when not asked."""
-    spec = os.environ.get(TEST_TRIP_ENV, "")
-    if not spec:
-        return None
-    r, _, s = spec.partition(":")
-    if int(r) != this_rank:
-        return None
-    at = int(s or 0)
-
-    def trip(trainer):
-        if trainer.step == at:
-            trainer.guard.budget = 1
-    return trip
-
-
-def test_exit_point(point: str) -> None:
-    """Test-only (TEST_EXIT_ENV="RANK:POINT"): this rank dies (os._exit, no cleanup) at `point`
-    of the trainer (`prepare`: before the DDP wrapper; `finish`: before the final evaluation),
-    so the tests see survivors lose a peer outside the training step. Nothing when unset."""
-    spec = os.environ.get(TEST_EXIT_ENV, "")
-    if spec and spec == f"{_ctx.rank}:{point}":
-        os._exit(1)
 
 
 def local_threads(local_world: int) -> int:

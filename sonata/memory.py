@@ -448,9 +448,28 @@ class LeakDetector:
         self.window, self.threshold, self.skip = window, float(threshold), skip
         self.min_samples, self.z = min_samples, z
         self.samples: list[int] = []
+        self.step_tokens: int | None = None     # `follow`: the size of the steps followed
+        self.warned = False                     # `follow`: a leak was reported
 
     def record(self, mem_bytes: int) -> None:
         self.samples.append(int(mem_bytes))
+
+    def follow(self, mem_bytes: int, step_tokens: int) -> bool:
+        """The trainer's reading after a step of `step_tokens` tokens: True once, the first
+        time it is a leak (the caller warns). A step of another size (a task's curriculum at
+        its next length) starts the window afresh after STAGE_SETTLE_STEPS: the memory a
+        longer sequence needs is the workload's, not a leak; the allowance grows with the
+        step (`leak_threshold`)."""
+        if step_tokens != self.step_tokens:
+            if self.step_tokens is not None:            # the heap settles for a few steps first
+                self.samples, self.skip = [], STAGE_SETTLE_STEPS
+            self.threshold = leak_threshold(step_tokens)
+            self.step_tokens = step_tokens
+        self.record(mem_bytes)
+        if self.warned or not self.leaking():
+            return False
+        self.warned = True
+        return True
 
     def _window(self) -> list[int]:
         return self.samples[self.skip:][-self.window:]

@@ -39,7 +39,8 @@ from sonata.memory import steady_cpu_heap, too_few_steps
 from sonata.model import MambaLM
 from sonata.peers import mambapy_lm
 from sonata.sources import resolve_source
-from sonata.trainer import MEASURE_SKIP, Trainer
+from sonata.summary import MEASURE_SKIP
+from sonata.trainer import Trainer
 
 
 def sustained_and_peak(overrides, sustained_steps: int, peak_micro: int, peak_steps: int,

@@ -2,18 +2,17 @@
 
 Each optimizer step draws the global batch from the device-side sampler, splits
 this process's share into micro-batches, accumulates gradients, clips, and steps
-AdamW at the learning rate of `lr_at` (warm-up + cosine, a pure function of the
-step) or, under a time budget (train.max_seconds), of `lr_at_progress` (the same
-cosine over the fraction of the budget used). The batch, accumulation and precision
-come from the run's frozen `Plan` (sonata.plan); the MemoryGuard wraps each step (sonata.memory); data parallel adds
-DDP and the agreements of sonata.distributed. The README's "Architecture" section
+AdamW at the learning rate the run's `Schedule` gives (sonata.schedule: warm-up and
+cosine over steps or over a time budget; it also says when the run ends). The batch,
+accumulation and precision come from the run's frozen `Plan` (sonata.plan); the
+MemoryGuard wraps each step (sonata.memory); data parallel adds DDP and the agreements
+of sonata.distributed; the summary is assembled by sonata.summary. docs/architecture.md
 describes how the pieces fit.
 """
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import signal
 import threading
 import time
@@ -25,87 +24,25 @@ import torch
 
 from sonata import checkpoint as ckpt
 from sonata import distributed
-from sonata import kernels
+from sonata import inject, kernels, stops
 from sonata.autotune import choose_plan
 from sonata.config import Config, resolve_profile
-from sonata.data import BatchSampler, Corpus, build_corpus, d2h, h2d
-from sonata.device import autocast_for, check_precision, resolve_device, sync
-from sonata.errors import CheckpointError, ConfigError, TrainingDiverged, TrainingInterrupted, WorkerLost
+from sonata.data import BatchSampler, build_corpus
+from sonata.device import check_precision, resolve_device, sync
+from sonata.errors import CheckpointError
 from sonata.evaluate import EvalResult, evaluate_stream
-from sonata.memory import (STAGE_SETTLE_STEPS, InjectedLeak, LeakDetector, MemoryBudgetExceeded, MemoryGuard,
-                           available_ram_bytes, device_total_bytes, leak_threshold, peak_memory_bytes,
-                           release_free_memory, steady_cpu_heap)
-from sonata.model import MambaLM, param_groups
+from sonata.memory import (InjectedLeak, LeakDetector, MemoryBudgetExceeded, MemoryGuard, available_ram_bytes,
+                           device_total_bytes, peak_memory_bytes, release_free_memory, steady_cpu_heap)
+from sonata.model import MambaLM
 from sonata.plan import Plan, plan_batch, resumed_inputs
 from sonata.progress import Progress
 from sonata.rng import rng_state, seed_everything, set_rng_state
+from sonata.schedule import Schedule, continue_in_steps
+from sonata.summary import Throughput, int8_report, run_summary
+from sonata.update import Updater
 from sonata.tensorboard_log import TensorBoardLog
-from sonata.tasks import TaskSampler, answer_loss, evaluate_task, make_task
+from sonata.tasks import TaskSampler, evaluate_task, make_task
 from sonata.vocab import Vocab
-
-MEASURE_SKIP = 2   # steps excluded from sustained tokens/s (compilation, allocator warm-up)
-
-
-def _cosine(frac: float, t) -> float:
-    """train.lr at frac 0, train.lr * train.min_lr_ratio (the floor) at frac 1, cosine between."""
-    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
-
-
-def lr_at(step: int, t) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warm-up, then cosine to
-    min_lr at train.decay_steps (0: train.max_steps), constant after."""
-    if t.warmup_steps and step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    span = max(1, (t.decay_steps or t.max_steps) - t.warmup_steps)
-    frac = min(1.0, (step - t.warmup_steps) / span)
-    return _cosine(frac, t)
-
-
-def lr_at_progress(step: int, progress: float, t) -> float:
-    """Learning rate of a time-budgeted run (train.max_seconds) for optimizer step `step`
-    ending at `progress`, the fraction of the budget used (in [0, 1]): the cosine of
-    `lr_at` over the budget, so the step that ends the budget (progress 1) trains at the
-    floor, train.lr * train.min_lr_ratio. Warm-up stays in steps: the rate rises linearly
-    over train.warmup_steps and never exceeds the cosine."""
-    lr = _cosine(min(1.0, max(0.0, progress)), t)
-    if t.warmup_steps and step < t.warmup_steps:
-        lr = min(lr, t.lr * (step + 1) / t.warmup_steps)
-    return lr
-
-
-def continue_in_steps(t, state: dict):
-    """The train.* values of a run resumed from `state` (a checkpoint's dict): `t` itself,
-    unless the checkpoint's run had a time budget.
-
-    A budgeted run resumes *in steps*: the resumed run is an ordinary step-based run
-    (train.max_seconds 0) whose cosine horizon (train.decay_steps) is the number of
-    steps the whole budget reaches at the pace the run had, steps / (fraction of the
-    budget used): for a run that used its budget (its last step ran at budget progress
-    1, the checkpoint's `budget_progress`; its measured time may end a little short),
-    the steps it reached (the resumed run trains at the floor), for an interrupted one
-    its steps so far extrapolated to the end of its budget. train.max_steps becomes that horizon (within the budgeted
-    run's step cap, if it had one), unless changed on resume. Why steps, not a fresh
-    or remaining budget: time is not reproducible, steps are; from the checkpoint on,
-    two resumes train identically, and a resumed run's own checkpoints resume like
-    any step-based run. A budget cannot be changed (or added) on resume: a new budget
-    is a new run (ConfigError)."""
-    saved = state.get("config", {}).get("train", {})
-    budget = float(saved.get("max_seconds", 0) or 0)
-    if t.max_seconds and t.max_seconds != budget:
-        raise ConfigError(f"train.max_seconds cannot be {'changed' if budget else 'set'} on resume "
-                          f"(a resumed run continues in steps: set train.max_steps; a new budget is a new run)")
-    steps, used = int(state.get("step", 0)), float(state.get("train_seconds", 0.0))
-    if not budget or steps == 0 or used <= 0:
-        return t                     # a step-based run, or a budgeted one that spent nothing yet
-    if float(state.get("budget_progress", 0.0)) >= 1.0:
-        horizon = steps              # its last step ran at the floor (its time may end a bit short)
-    else:
-        horizon = max(steps, round(steps / min(1.0, used / budget)))
-    cap = int(saved.get("max_steps", 0))
-    max_steps = t.max_steps if t.max_steps != cap else (min(horizon, cap) if cap else horizon)
-    decay = t.decay_steps if t.decay_steps != int(saved.get("decay_steps", 0)) else horizon
-    return replace(t, max_seconds=0.0, max_steps=max_steps, decay_steps=decay)
-
 
 class _StopSignal:
     """While training, SIGINT/SIGTERM set a flag; the loop stops between steps, so an
@@ -131,25 +68,13 @@ class _StopSignal:
             signal.signal(sig, old)
 
 
-class _Throughput:
-    """Tokens and step time after the first MEASURE_SKIP steps of this run, and the
-    bytes copied between host and device since the last step."""
-
-    def __init__(self):
-        self.tokens, self.seconds, self.steps = 0, 0.0, 0
-        self.h2d, self.d2h = h2d.bytes, d2h.bytes
-
-    def add(self, row: dict, step_tokens: int) -> None:
-        row["h2d_bytes"], row["d2h_bytes"] = h2d.bytes - self.h2d, d2h.bytes - self.d2h
-        self.h2d, self.d2h = h2d.bytes, d2h.bytes
-        self.steps += 1
-        if self.steps > MEASURE_SKIP:
-            self.tokens += step_tokens
-            self.seconds += row["step_s"]
-
-    @property
-    def sustained(self) -> float | None:
-        return self.tokens / self.seconds if self.seconds else None
+def _data(cfg: Config, state: dict | None, device, budget_bytes: int, progress):
+    """(task, corpus): a synthetic task's fresh sequences, or a corpus (language modeling; a
+    resumed run keeps its checkpoint's vocabulary)."""
+    if cfg.task.name:
+        return make_task(cfg.task), None
+    vocab = Vocab.from_state_dict(state["vocab"]) if state else None
+    return None, build_corpus(cfg.data, device, vocab=vocab, progress=progress, budget_bytes=budget_bytes)
 
 
 class Trainer:
@@ -198,42 +123,27 @@ class Trainer:
                                  what=("profile.memory_budget_mb" if cfg.profile.memory_budget_mb else
                                        f"profile {self.profile.name}: {self.profile.budget_source}"))
         self.leak = LeakDetector()
-        self._step_tokens = None      # the tokens of the last step the leak detector followed
         self.injected_leak = InjectedLeak(cfg.debug.leak)     # debug.leak: the micro-step hook
         self.before_step: list = []                           # hooks(trainer) run before each step
-        if self.world > 1 and distributed.test_trip_hook(self.rank):   # test-only: see sonata.distributed
-            self.before_step.append(distributed.test_trip_hook(self.rank))
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.progress_mode = progress
-        # the data: a corpus (language modeling) or a synthetic task's fresh sequences
-        self.task = make_task(cfg.task) if cfg.task.name else None
-        self.corpus: Corpus | None = None
-        if self.task is None:
-            vocab = Vocab.from_state_dict(state["vocab"]) if state else None
-            self.corpus = build_corpus(cfg.data, self.device, vocab=vocab, progress=progress,
-                                       budget_bytes=self.profile.memory_budget_bytes)
-        cfg.model.vocab_size = self.task.vocab_size if self.task else len(self.corpus.vocab)
+        self.task, self.corpus = _data(cfg, state, self.device, self.profile.memory_budget_bytes, progress)
+        vocab_size = self.task.vocab_size if self.task else len(self.corpus.vocab)
+        self.cfg = cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab_size))   # the caller's stays
         seed_everything(t.seed)
         self.model = MambaLM(cfg.model).to(self.device)
         self.model.set_int8(self.plan.precision == "int8")
-        # fused: one kernel over all parameters (CPU and CUDA), 4x faster than the per-tensor loop
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, t.weight_decay), lr=t.lr,
-                                           betas=(0.9, t.beta2), eps=1e-8,
-                                           fused=self.device.type in ("cpu", "cuda"))
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.plan.precision == "fp16")
+        # micro-steps, clip, the optimizer step or its skip (AdamW, fp16's GradScaler)
+        self.update = Updater(self.model, cfg, self.device, self.plan.precision, self.task, self.injected_leak)
+        self.optimizer, self.scaler = self.update.optimizer, self.update.scaler
         self.sampler = (TaskSampler(self.task, cfg.data.seq_len, seed=t.seed, device=self.device,
                                     curriculum=cfg.task.curriculum) if self.task
                         else BatchSampler(self.corpus.train, cfg.data.seq_len, seed=t.seed, device=self.device))
         self.step = 0
         self.tokens = 0
-        self.train_seconds = 0.0      # time inside optimizer steps, all runs of this model (resumes add)
-        self._last_step_s = 0.0       # the last step's time (data parallel: the slowest rank's)
-        self._last_progress = 0.0     # under a budget: the budget fraction the last step ran at
+        self.schedule = Schedule(t)   # the learning rate, the budget, when to stop
         self._step_s = 0.0            # this rank's time of the last train_step
-        self.stopped_by: str | None = None   # after run(): "time" (the budget) or "steps"
-        self.counters = {"nonfinite_steps": 0, "scaler_skipped_steps": 0}
-        self._consecutive_nonfinite = 0
-        self._step_start = None       # (sampler, rng) at the start of the step in progress (DDP)
+        self.step_start = None       # (sampler, rng) at the start of the step in progress (DDP)
         self.checkpoint_seconds: list[float] = []
         self.setup_seconds = 0.0      # before the first step of run() (autotuning, kernel warm-up)
         self.eval_seconds = 0.0       # validation inside run()
@@ -251,26 +161,16 @@ class Trainer:
                 self.plan = self.plan.with_batch(self.plan.micro_batch,
                                                  "autotuned before step 1 (recorded in the checkpoint)")
 
-    @property
-    def accumulation(self) -> int:
-        """Micro-steps per optimizer step on this process."""
-        return self.plan.accumulation
-
-    @property
-    def batch_how(self) -> str:
-        return self.plan.how
-
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """Everything a resume needs (what a checkpoint holds)."""
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict(),
                 "scheduler": {"kind": "warmup_cosine", "step": self.step},
-                "step": self.step, "micro_step": self.step * self.accumulation * self.world,
+                "step": self.step, "micro_step": self.step * self.plan.accumulation * self.world,
                 "world_size": self.world,
-                "tokens": self.tokens, "train_seconds": self.train_seconds,
-                "budget_progress": self._last_progress, "counters": dict(self.counters),
-                "consecutive_nonfinite": self._consecutive_nonfinite,
+                "tokens": self.tokens, **self.schedule.state_dict(), "counters": dict(self.counters),
+                "consecutive_nonfinite": self.update.consecutive_nonfinite,
                 "sampler": self.sampler.state_dict(), "rng": rng_state(),
                 "vocab": self.corpus.vocab.state_dict() if self.corpus else None, "config": self.cfg.to_dict(),
                 "plan": self.plan.to_dict(), "last_row": self._last_row,
@@ -286,9 +186,9 @@ class Trainer:
                 self.scaler.load_state_dict(state["scaler"])
             self.sampler.load_state_dict(state["sampler"])
             self.step, self.tokens = int(state["step"]), int(state["tokens"])
-            self.train_seconds = float(state.get("train_seconds", 0.0))
+            self.schedule.load_state_dict(state)
             self.counters.update(state.get("counters", {}))
-            self._consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
+            self.update.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
             self.autotune_result = state.get("autotune")
             self._last_row = self._resumed_last_row = state.get("last_row")
             set_rng_state(state["rng"])
@@ -344,17 +244,13 @@ class Trainer:
         ddp = plan.world_size > 1
         net = self._net if ddp and self._net is not None else self.model
         if ddp:     # a peer lost inside this step: the survivors save the state of its start
-            self._step_start = (self.sampler.state_dict(), rng_state())
+            self.step_start = (self.sampler.state_dict(), rng_state())
         sync(self.device)
         t0 = time.perf_counter()
         lr = self._set_lr()
         # the global batch's offsets, this rank's shard of rows (the whole batch at world 1)
         x, y = self.sampler.draw(plan.effective_batch, shard=(self.rank, self.world) if ddp else (0, 1))
-        loss_sum = self._micro_steps(net, x, y, plan)
-        grad_norm = self._clip_gradients()
-        loss, gnorm, bad = self._read_loss(loss_sum / plan.accumulation, grad_norm, plan)
-        skipped = self._optimizer_step(bad)
-        self._count(skipped)
+        loss, gnorm, skipped = self.update(net, x, y, plan)
         if self._threads and torch.get_num_threads() != self._threads:
             # numba's OpenMP layer resets the OpenMP thread count when its pool starts (the
             # first fused-kernel call): set ours again, so train.threads / threads per rank hold
@@ -365,7 +261,7 @@ class Trainer:
         n_tok = plan.effective_batch * x.shape[1]          # x: this rank's rows; a task's length may vary
         self.step += 1
         self.tokens += n_tok
-        self._step_start = None
+        self.step_start = None
         row = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens, "step_tokens": n_tok,
                "tok_per_s": n_tok / dt, "step_s": dt, "grad_norm": gnorm,
                "skipped": skipped, "fallbacks": kernels.fallback_count()}
@@ -374,88 +270,24 @@ class Trainer:
         return row
 
     def _set_lr(self) -> float:
-        lr = self.lr_now()
+        lr = self.schedule.lr(self.step)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         return lr
 
-    def budget_progress(self) -> float:
-        """Under train.max_seconds: the fraction of the budget that will be used when the
-        next step ends, estimated as the training seconds so far plus the last step's
-        time (at most 1; the step that reaches 1 is the run's last)."""
-        return min(1.0, (self.train_seconds + self._last_step_s) / self.cfg.train.max_seconds)
+    @property
+    def counters(self) -> dict:
+        """Skipped updates: nonfinite_steps, scaler_skipped_steps."""
+        return self.update.counters
 
-    def lr_now(self) -> float:
-        """The learning rate of the next optimizer step."""
-        t = self.cfg.train
-        return lr_at_progress(self.step, self.budget_progress(), t) if t.max_seconds else lr_at(self.step, t)
+    @property
+    def train_seconds(self) -> float:
+        return self.schedule.train_seconds
 
-    def _micro_steps(self, net, x, y, plan: Plan) -> torch.Tensor:
-        """Forward and backward of each micro-batch; returns the summed loss (on device)."""
-        mb, acc = plan.micro_batch, plan.accumulation
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=self.device)
-        for i in range(acc):
-            xb, yb = x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]
-            # DDP: gradients are all-reduced only in the last micro-step's backward
-            no_sync = net.no_sync() if net is not self.model and i < acc - 1 else contextlib.nullcontext()
-            with no_sync:
-                with autocast_for(plan.precision, self.device):
-                    logits = net(xb)                                    # (mb, L, V)
-                loss = self._loss(logits.float(), yb)
-                with distributed.collective("DDP backward", backend_marks_only=True) if net is not self.model \
-                        else contextlib.nullcontext():          # DDP all-reduces gradients in it
-                    self.scaler.scale(loss / acc).backward(retain_graph=self.injected_leak.retain_graph)
-                loss_sum += loss.detach()
-                self.injected_leak.after_backward(loss, logits)
-        return loss_sum
-
-    def _loss(self, logits, y) -> torch.Tensor:
-        """The training loss: cross-entropy of every next token, or of a task's answers only."""
-        def loss_fn(lg, tg):
-            return kernels.cross_entropy(lg, tg, self.cfg.model.backend)
-        return answer_loss(logits, y, loss_fn) if self.task else loss_fn(logits, y)
-
-    def _clip_gradients(self) -> torch.Tensor:
-        self.scaler.unscale_(self.optimizer)
-        clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-
-    def _read_loss(self, loss: torch.Tensor, grad_norm: torch.Tensor, plan: Plan) -> tuple[float, float, bool]:
-        """(loss, gradient norm, non-finite?) as numbers; data parallel: the mean loss over
-        ranks, and any rank's non-finite value counts for all."""
-        loss_val = d2h.item(loss)                                       # synchronizes the device
-        gnorm = d2h.item(grad_norm)
-        bad = not math.isfinite(loss_val) or (not math.isfinite(gnorm) and plan.precision != "fp16")
-        if plan.world_size > 1:
-            loss_val, bad = distributed.agree_on_loss(loss_val, bad)
-        return loss_val, gnorm, bad
-
-    def _optimizer_step(self, bad: bool) -> str | None:
-        """Step (unless `bad`) and apply the constraint; returns why the update was skipped."""
-        if bad:
-            self.scaler.update()                                        # no-op unless fp16
-            skipped = "nonfinite"
-        else:
-            scale = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)                            # skips itself on inf grads (fp16)
-            self.scaler.update()
-            skipped = "scaler" if self.scaler.is_enabled() and self.scaler.get_scale() < scale else None
-            if skipped is None and self.cfg.model.a_constraint:
-                for layer in self.model.layers:
-                    layer.mixer.constrain_A(self.cfg.model.a_min)
-        self.optimizer.zero_grad(set_to_none=True)
-        return skipped
-
-    def _count(self, skipped: str | None) -> None:
-        if skipped == "nonfinite":
-            self.counters["nonfinite_steps"] += 1
-            self._consecutive_nonfinite += 1
-        else:
-            self._consecutive_nonfinite = 0
-            if skipped == "scaler":
-                self.counters["scaler_skipped_steps"] += 1
+    @property
+    def stopped_by(self) -> str | None:
+        """After run(): "time" (the budget) or "steps"."""
+        return self.schedule.stopped_by
 
     # ------------------------------------------------------------------ batch plan
     def apply_autotune(self, progress: str | None = None) -> dict:
@@ -493,53 +325,44 @@ class Trainer:
         finally:
             self.eval_seconds += time.perf_counter() - t0
 
-    def evaluate_int8_export(self) -> EvalResult:
-        """Validation of a model rebuilt from the real int8 export (weights int8 + scales)."""
-        q = MambaLM(self.cfg.model).to(self.device)
-        q.load_int8_state(self.model.int8_state())
-        q.set_int8(True)
-        return self.evaluate(model=q)
-
     # ------------------------------------------------------------------ the loop
     def run(self, on_step=None) -> dict:
-        """Train to train.max_steps, or under a time budget (train.max_seconds > 0) until
-        that many seconds of training time have passed. `on_step(trainer, row)` may add
-        fields to each row.
-
-        Training time is the time inside optimizer steps (`row["step_s"]`, summed; data
-        parallel: the slowest rank's each step): setup, autotuning, evaluation, metrics
-        and checkpoint writing are not counted. Each row's `train_s` is the total so far.
-        Under a budget the learning rate follows `lr_at_progress` (the cosine ends at
-        the budget) and the run stops after the step whose projected end reaches it
-        (that step trains at the floor); train.max_steps > 0 still caps it, and the
-        first of the two ends the run (a warning says when the step cap came first);
-        train.max_steps=0 means no step cap. train.eval_every stays in steps."""
-        t = self.cfg.train
+        """Train until the schedule says the run is over (train.max_steps, or a time budget of
+        train.max_seconds of training time: sonata.schedule) -> the summary. `on_step(trainer,
+        row)` may add fields to each row; train.eval_every stays in steps."""
+        t, sch = self.cfg.train, self.schedule
         t_start = time.perf_counter()
-        with self._on_lost_peer():           # autotuning and DDP's construction talk to the peers too
+        with stops.on_lost_peer(self):           # autotuning and DDP's construction talk to the peers too
             self._prepare()
         self.setup_seconds = time.perf_counter() - t_start       # autotuning, DDP, kernel warm-up
         metrics = self._open_metrics() if self.out_dir else None
         tboard = TensorBoardLog(self.out_dir) if metrics and t.tensorboard else None
-        speed = _Throughput()
+        speed = Throughput()
         last_eval: EvalResult | None = None
-        peak_all = 0
         try:
-            with self._train_bar() as bar, _StopSignal() as stop, \
-                    self._on_lost_peer():                  # inside: signals are still only flagged
+            with self._bar(*sch.bar(self.step)) as bar, _StopSignal() as stop, \
+                    stops.on_lost_peer(self):                  # inside: signals are still only flagged
                 self._stop = stop
-                while not self._finished():
+                while not sch.finished(self.step):
+                    # one optimizer step inside the memory guard (learning rate from the schedule)
                     row, peak_all, signum = self._guarded_step()
                     speed.add(row, row["step_tokens"])
                     row["nonfinite_steps"] = self.counters["nonfinite_steps"]
                     row["peak_mem_bytes"] = peak_all
-                    self._follow_memory(row)
+                    # follow memory (the leak detector warns once), then the caller's hook
+                    if self.leak.follow(row["mem_bytes"], row["step_tokens"]):
+                        warnings.warn(f"sonata: {self.leak.message()} (step {self.step})", RuntimeWarning,
+                                      stacklevel=2)
+                    if self.leak.enough:
+                        row["mem_slope_bytes_per_step"] = self.leak.slope()
                     if on_step is not None:
                         on_step(self, row)
-                    final = self._finished(row)
+                    # evaluate when due, and after the last step
+                    final = sch.finished(self.step, row)
                     if (t.eval_every and self.step % t.eval_every == 0) or final:
                         last_eval = self._timed_evaluate()
                         row.update(last_eval.fields())
+                    # log: the row to metrics.jsonl (and TensorBoard) when due
                     self.history.append(row)
                     due = self.step % t.log_every == 0 or final or "val_loss" in row or row["skipped"]
                     # a checkpoint carries the row of its step: a resume writes it when the
@@ -549,20 +372,21 @@ class Trainer:
                         metrics.write(row)
                         if tboard:
                             tboard.write(row)
-                    self._stop_if_diverged()
+                    # stop on divergence; checkpoint when due; stop on a signal (after saving)
+                    stops.diverged(self)
                     if self._checkpoint_due(final):
                         self.save_checkpoint()
-                    bar.update(self._bar_units(bar), loss=row["loss"], **{"tok/s": round(row["tok_per_s"])},
+                    bar.update(sch.bar_units(bar), loss=row["loss"], **{"tok/s": round(row["tok_per_s"])},
                                **({"val_bpb": row["val_bpb"]} if "val_bpb" in row else {}))
                     if signum is not None:
-                        self._stop_on_signal(signum)
+                        stops.interrupted(self, signum)
         except MemoryBudgetExceeded as e:
             done = self._last_row
             if done is not None and done["step"] == self.step and (not self.history or self.history[-1] is not done):
                 self.history.append(done)            # a step the check after it tripped: logged too
                 if metrics:
                     metrics.write(done)
-            raise self._memory_tripped(e) from None
+            raise stops.memory_tripped(self, e) from None
         except KeyboardInterrupt:
             # a second Ctrl-C mid-step: the step may be half-applied, so keep the last
             # periodic checkpoint rather than writing this state over it
@@ -573,41 +397,10 @@ class Trainer:
                 metrics.close()
             if tboard:
                 tboard.close()
-        self._warn_if_capped()
-        with self._on_lost_peer():           # the final evaluation and the peaks are collectives
-            distributed.test_exit_point("finish")
+        sch.warn_if_capped()
+        with stops.on_lost_peer(self):           # the final evaluation and the peaks are collectives
+            inject.exit_point("finish", self.rank)            # test-only; nothing when unset
             return self._finish(last_eval or self._timed_evaluate(), speed, t_start)
-
-    def _finished(self, row: dict | None = None) -> bool:
-        """Whether the run is over, and why (`stopped_by`): its budget spent (the step of
-        `row` ran at progress 1) or its step count reached."""
-        t = self.cfg.train
-        if self.stopped_by is None:
-            if t.max_seconds and row is not None and row["progress"] >= 1.0:
-                self.stopped_by = "time"
-            elif self.step >= t.max_steps and (t.max_steps or not t.max_seconds):
-                self.stopped_by = "steps"
-        return self.stopped_by is not None
-
-    def _warn_if_capped(self) -> None:
-        t = self.cfg.train
-        if t.max_seconds and self.stopped_by == "steps" and t.min_lr_ratio < 1:
-            warnings.warn(f"sonata: train.max_steps={t.max_steps} ended the run after {self.train_seconds:.1f} s "
-                          f"of its {t.max_seconds:g} s budget (the learning rate had not reached its floor); "
-                          f"train.max_steps=0 lifts the step cap", UserWarning, stacklevel=3)
-
-    def _train_bar(self):
-        """Steps to go; under a budget, whole seconds of it."""
-        t = self.cfg.train
-        if t.max_seconds:
-            return self._bar(math.ceil(t.max_seconds), f"train ({t.max_seconds:g} s budget, seconds)")
-        return self._bar(t.max_steps - self.step, "train")
-
-    def _bar_units(self, bar) -> int:
-        if not self.cfg.train.max_seconds:
-            return 1
-        done = bar.total if self.stopped_by == "time" else min(bar.total, int(self.train_seconds))
-        return max(0, done - bar.n)
 
     def _prepare(self) -> None:
         """Before the first step: autotune when asked, the DDP wrapper, clean counters."""
@@ -619,62 +412,42 @@ class Trainer:
         if t.autotune and not t.fixed_micro_batch and self.autotune_result is None:
             self.apply_autotune()
         if t.max_seconds and self._net is None:        # (a DDP-wrapped model is warm already)
-            self._warm_kernels()
+            self.update.warm(self.plan, self.cfg.data.seq_len)
         if self.world > 1 and self._net is None:
             from torch.nn.parallel import DistributedDataParallel as DDP
-            distributed.test_exit_point("prepare")
+            inject.exit_point("prepare", self.rank)           # test-only; nothing when unset
             with distributed.collective("DDP construction"):     # it broadcasts rank 0's weights
                 self._net = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        hook = inject.trip_hook(self.rank) if self.world > 1 else None      # test-only; None when unset
+        if hook is not None:
+            self.before_step.append(hook)
         self._stop = None
-        self._leak_warned = False
+        self.leak.warned = False
         self._last_save = time.monotonic()
-        self._last_step_s = 0.0      # an autotuner's steps do not count towards the budget
-        self.stopped_by = None
-
-    def _warm_kernels(self) -> None:
-        """Under a time budget, before the clock starts: one forward and backward of a
-        micro-batch of zeros, no update (the gradients are dropped; no random number is
-        drawn), so the one-time cost of compiling or loading the scan kernels (seconds
-        on the first step of a process) is setup, not training time."""
-        x = torch.zeros((self.plan.micro_batch, self.cfg.data.seq_len), dtype=torch.long, device=self.device)
-        self.model.train()
-        with autocast_for(self.plan.precision, self.device):
-            logits = self.model(x)
-        logits.float().sum().backward()
-        self.optimizer.zero_grad(set_to_none=True)
-        sync(self.device)
+        self.schedule.start()
 
     def _guarded_step(self) -> tuple[dict, int, int | None]:
         """One step inside the memory guard: (row, peak memory, signal to stop on).
         Data parallel: the guard's checks, the peaks and the signal are agreed over ranks."""
         for hook in self.before_step:
             hook(self)
-        if self.cfg.train.max_seconds:
-            progress = self.budget_progress()       # what the step's learning rate is set from
+        sch = self.schedule
+        progress = sch.progress() if sch.budgeted else None      # what the step's rate is set from
         row = None
         try:
             with self.guard.watch(self.step, self._agree if self.world > 1 else None) as watch:
                 row = self._last_row = self.train_step()   # the same dict gains its fields below
         except MemoryBudgetExceeded:
             if row is not None:          # the step completed; the check after it tripped: it counts
-                if self.cfg.train.max_seconds:
-                    row["progress"] = self._last_progress = progress
-                self._count_time(row["step_s"], row)
+                sch.count(row["step_s"], row, progress)
             raise
-        if self.cfg.train.max_seconds:
-            row["progress"] = self._last_progress = progress
         row["mem_bytes"], row["step_peak_bytes"] = watch.mem_bytes, watch.peak
         if watch.maxima is None:
-            self._count_time(row["step_s"], row)
+            sch.count(row["step_s"], row, progress)
             return row, peak_memory_bytes(self.device), self._stop.signum
         peak_all, row["step_peak_bytes"], signum = (int(v) for v in watch.maxima[:3])
-        self._count_time(watch.maxima[3], row)       # every rank counts the same time
+        sch.count(watch.maxima[3], row, progress)     # every rank counts the same time
         return row, peak_all, signum or None          # a later signal: the next step's turn
-
-    def _count_time(self, step_s: float, row: dict) -> None:
-        self._last_step_s = step_s
-        self.train_seconds += step_s
-        row["train_s"] = self.train_seconds
 
     def _agree(self, err: MemoryBudgetExceeded | None, numbers) -> list[float]:
         """The guard's agreement; after the step it also carries this rank's signal and
@@ -682,149 +455,21 @@ class Trainer:
         extra = [*numbers, self._stop.signum or 0, self._step_s] if numbers is not None else []
         return distributed.agree_on_trip(err, extra)
 
-    def _follow_memory(self, row: dict) -> None:
-        """The leak detector; it warns once per run. A step of another size (a task's
-        curriculum moving to its next length) starts its window afresh: the memory a longer
-        sequence needs is the workload's, not a leak."""
-        if row["step_tokens"] != self._step_tokens:
-            if self._step_tokens is not None:           # the heap settles for a few steps first
-                self.leak = LeakDetector(skip=STAGE_SETTLE_STEPS)
-            self.leak.threshold = leak_threshold(row["step_tokens"])     # it grows with the step
-            self._step_tokens = row["step_tokens"]
-        self.leak.record(row["mem_bytes"])
-        if self.leak.enough:
-            row["mem_slope_bytes_per_step"] = self.leak.slope()
-            if not self._leak_warned and self.leak.leaking():
-                self._leak_warned = True
-                warnings.warn(f"sonata: {self.leak.message()} (step {self.step})", RuntimeWarning, stacklevel=3)
-
-    def _stop_if_diverged(self) -> None:
-        n = self._consecutive_nonfinite
-        if n < self.cfg.train.max_nonfinite:
-            return
-        self._emergency("nonfinite")
-        raise TrainingDiverged(
-            f"{n} consecutive non-finite steps, the last at step {self.step}",
-            f"updates were skipped, the last good state is in "
-            f"{self.out_dir / 'checkpoint.pt' if self.out_dir else '(no --out)'}",
-            "lower train.lr or check the data", step=self.step, agreed=self.world > 1)
-
-    def _stop_on_signal(self, signum: int) -> None:
-        name = signal.Signals(signum).name
-        self._emergency(name)
-        raise TrainingInterrupted(
-            f"stopped by {name} after step {self.step}",
-            f"resume with --resume {self.out_dir / 'checkpoint.pt' if self.out_dir else '?'}",
-            signum=signum, step=self.step, agreed=self.world > 1)
-
-    def _emergency(self, reason: str) -> Path | None:
-        self.emergency_reason = reason
-        if self.out_dir:
-            return self.save_checkpoint()
-        return None
-
-    @contextlib.contextmanager
-    def _on_lost_peer(self):
-        """Data parallel: a failed collective (a peer died or hung) becomes WorkerLost,
-        after this survivor saved the last completed step."""
-        try:
-            yield
-        except Exception as e:       # noqa: BLE001 - only a lost peer is handled here
-            if self.world > 1 and distributed.is_comm_error(e):
-                raise self._lost_peer(e) from None
-            raise
-
-    def _lost_peer(self, e: BaseException) -> WorkerLost:
-        """Another process died or hung: save the last completed step here (every survivor
-        holds a full replica; a step cut short is rolled back to its start) and stop."""
-        if self._step_start is not None:            # the model and optimizer are untouched
-            sampler, rng = self._step_start
-            self.sampler.load_state_dict(sampler)
-            set_rng_state(rng)
-            self.optimizer.zero_grad(set_to_none=True)
-        self.emergency_reason = "lost a peer"
-        path = self.save_checkpoint(any_rank=True) if self.out_dir else None
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        return WorkerLost(first, checkpoint=path, step=self.step, rank=self.rank)
-
-    def _memory_tripped(self, e: MemoryBudgetExceeded) -> MemoryBudgetExceeded:
-        self.injected_leak.clear()                    # a debug leak must not reach the checkpoint
-        self.optimizer.zero_grad(set_to_none=True)    # the gradients of a failed step
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        return e.stopped(self.step, self._emergency("memory")).replace(agreed=self.world > 1)
-
     def _open_metrics(self) -> ckpt.MetricsLog | None:
         if not self.is_main:
             return None
         return ckpt.MetricsLog(self.out_dir / "metrics.jsonl", through_step=self.step,
                                last_row=self._resumed_last_row)
 
-    def _finish(self, last_eval: EvalResult, speed: _Throughput, t_start: float) -> dict:
-        """The summary (written with the final checkpoint on rank 0); its wall time runs from
-        `t_start` to after that checkpoint, so it holds every part it lists."""
-        plan = self.plan
+    def _finish(self, last_eval: EvalResult, speed: Throughput, t_start: float) -> dict:
+        """The summary (sonata.summary), written with the final checkpoint on rank 0; its wall
+        time runs from `t_start` to after that checkpoint, so it holds every part it lists."""
         if self.out_dir and self.is_main:
             self.save_checkpoint()
-        wall_s = time.perf_counter() - t_start
-        peak_mem, guard_peak = (peak_memory_bytes(self.device), self.guard.peak)
-        if self.world > 1:
-            peak_mem, guard_peak = distributed.all_reduce_max([peak_mem, guard_peak])
-        summary = {
-            "steps": self.step, "tokens": self.tokens,
-            # where the run's time went: a time budget (max_seconds) counts train_seconds only
-            "wall_s": wall_s, "setup_s": self.setup_seconds, "eval_s": self.eval_seconds,
-            "checkpoint_s": sum(self.checkpoint_seconds),
-            "max_seconds": self.cfg.train.max_seconds, "train_seconds": self.train_seconds,
-            "stopped_by": self.stopped_by, "resumed_budget": self.resumed_budget,
-            "tok_per_s_sustained": speed.sustained,
-            "sustained_excludes_steps": MEASURE_SKIP,
-            **last_eval.fields(), **({"val_tokens": last_eval.tokens, "val_bytes": last_eval.bytes}
-                                     if self.corpus else {"val_sequences": last_eval.sequences}),
-            "params": self.model.num_params(),
-            "device": str(self.device), "threads": torch.get_num_threads(),
-            "world_size": self.world, "backend_dist": distributed.context().backend,
-            "backend": kernels.resolve_backend(self.cfg.model.backend,
-                                               torch.zeros(1, device=self.device))[0],
-            "fallbacks": kernels.fallback_count(),
-            "peak_mem_bytes": int(peak_mem),       # the maximum over ranks
-            "h2d_bytes_in_steps": sum(r["h2d_bytes"] for r in self.history),
-            "d2h_bytes_in_steps": sum(r["d2h_bytes"] for r in self.history),
-            "host_offload_bytes": 0,     # nothing is offloaded to host memory in this trainer
-            "precision": plan.precision,
-            "micro_batch": plan.micro_batch, "accumulation": plan.accumulation,
-            "effective_batch": plan.effective_batch, "batch_how": plan.how,
-            "plan": plan.to_dict(),
-            "profile": self.profile.to_dict(),
-            "memory_budget_bytes": self.guard.budget, "guard_peak_bytes": int(guard_peak),
-            **self.leak.report(),
-            "debug_leak": self.cfg.debug.leak,
-            "autotune": self.autotune_result,
-            "checkpoints_written": len(self.checkpoint_seconds),
-            "checkpoint_s_mean": (sum(self.checkpoint_seconds) / len(self.checkpoint_seconds)
-                                  if self.checkpoint_seconds else None),
-            "checkpoint_s_max": max(self.checkpoint_seconds, default=None),
-            "restarts": distributed.context().restarts, "resumed_from_step": self.resumed_from_step,
-            "launch_id": distributed.launch_id(),
-            **self.counters,
-            "data": self.corpus.summary() if self.corpus else self.task.summary(self.cfg.data.seq_len),
-        }
-        if plan.precision == "int8":
-            fp32 = self._eval_without_int8()
-            q = self.evaluate_int8_export()
-            summary.update(val_loss_fp32_weights=fp32.loss, val_loss_int8_export=q.loss,
-                           val_bpb_int8_export=q.bpb)
-            if self.out_dir and self.is_main:
-                ckpt.write_atomic(self.out_dir / "model_int8.pt", ckpt.to_bytes(self.model.int8_state()),
-                                  "int8 export")
+        summary = run_summary(self, last_eval, speed, time.perf_counter() - t_start)
+        if self.plan.precision == "int8":
+            summary.update(int8_report(self))
         if self.out_dir and self.is_main:
             ckpt.write_atomic(self.out_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode(),
                               "summary")
         return summary
-
-    def _eval_without_int8(self) -> EvalResult:
-        self.model.set_int8(False)
-        try:
-            return self.evaluate()
-        finally:
-            self.model.set_int8(True)

@@ -14,7 +14,8 @@ from sonata.__main__ import main
 from sonata.config import Config, apply_overrides, make_config
 from sonata.errors import ConfigError
 from sonata.sources import load_stories, split_train_val
-from sonata.trainer import Trainer, continue_in_steps, lr_at, lr_at_progress
+from sonata.schedule import continue_in_steps, lr_at, lr_at_progress
+from sonata.trainer import Trainer
 from sonata.vocab import EOT
 from test_train import _assert_one_error_line, run_cli
 

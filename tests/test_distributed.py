@@ -131,7 +131,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path, single):
     assert state["step"] == 3 and state["world_size"] == 2
     cfg = apply_overrides(Config.from_dict(state["config"]), ["train.max_steps=6"])
     tr = Trainer(cfg, out, state=state, progress="none")      # one process: micro 2 x accumulation 4
-    assert tr.accumulation == 4
+    assert tr.plan.accumulation == 4
     tr.run()
     _assert_close(_losses(out), single["losses"])
     _assert_same_params(ckpt.load(out / "checkpoint.pt")["model"], single["model"])
@@ -139,7 +139,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path, single):
 
 def test_a_guard_trip_on_one_rank_stops_every_rank(tmp_path):
     out = tmp_path / "trip"
-    # test-only switch (sonata.distributed.TEST_TRIP_ENV): rank 1's guard trips before step 3
+    # test-only switch (sonata.inject.TRIP_ENV): rank 1's guard trips before step 3
     r = _sonata("train", "--nproc", "2", "--out", str(out), "--progress", "none",
                 *tiny_overrides(**BASE, **{"train.micro_batch": 2}),
                 env=_env(SONATA_TEST_TRIP="1:2"))
@@ -153,7 +153,7 @@ def test_a_guard_trip_on_one_rank_stops_every_rank(tmp_path):
 @pytest.mark.parametrize("point", ["prepare", "finish"])
 def test_a_peer_lost_outside_the_step_is_one_line_and_a_survivors_checkpoint(tmp_path, point):
     """Rank 1 dies before DDP's construction (`prepare`) or before the final evaluation
-    (`finish`; test-only switch sonata.distributed.TEST_EXIT_ENV): one `error:` line naming the
+    (`finish`; test-only switch sonata.inject.EXIT_ENV): one `error:` line naming the
     lost peer or the failed rank, no traceback (before: raw communication errors there, and no
     checkpoint), and after the last step the survivor's checkpoint of it. Before the first
     step there is nothing to save, and the launcher, stopping the workers as soon as rank 1

@@ -21,7 +21,7 @@ STEPS = 12
 FAULT = tiny_overrides(**{"train.max_steps": STEPS, "train.decay_steps": STEPS, "train.checkpoint_every": 1,
                           "train.checkpoint_every_s": 0, "model.backend": "reference",
                           "train.effective_batch": 8, "train.micro_batch": 2, "train.threads": 1})
-SLOW_SAVE_S = "0.15"      # sonata.checkpoint.TEST_SLOW_SAVE_ENV: a wide window inside each write
+SLOW_SAVE_S = "0.15"      # sonata.inject.SLOW_SAVE_ENV: a wide window inside each write
 TIMEOUT = 180
 
 

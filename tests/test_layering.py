@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parent.parent / "sonata"
 # hf, autotune, distributed, evaluate -> trainer -> bench, selection -> __main__ (and the
 # notebooks). A module may import from its own layer or below; every module has a layer.
 LAYERS = [
-    {"errors", "config", "device", "rng", "progress", "plots", "peers"},
+    {"errors", "config", "device", "rng", "progress", "plots", "peers", "inject"},
     {"vocab"},
     {"sources"},
     {"token_cache"},
@@ -21,8 +21,8 @@ LAYERS = [
      "kernels.triton", "kernels.autograd", "kernels.decode_cpu", "kernels.numba_cache",
      "kernels.cpu_simd", "kernels.cpu_scan", "kernels.cpu_conv", "kernels.cpu_norm", "kernels.cpu_loss"},
     {"model", "ops"},
-    {"memory", "plan", "checkpoint", "tensorboard_log", "hf", "hf_accelerate"},
-    {"autotune", "distributed", "evaluate"},
+    {"memory", "plan", "schedule", "checkpoint", "tensorboard_log", "hf", "hf_accelerate"},
+    {"autotune", "distributed", "evaluate", "summary", "update", "stops"},
     {"trainer", "generate"},
     {"bench", "timing", "studies", "dynamics", "selection", "notebook"},
     {"__main__"},

@@ -9,7 +9,8 @@ import torch
 from conftest import REPO, tiny_overrides
 from sonata.config import make_config
 from sonata.generate import generate_text, load_model
-from sonata.trainer import Trainer, lr_at
+from sonata.schedule import lr_at
+from sonata.trainer import Trainer
 
 
 def run_cli(*args, cwd=None, timeout=300):
