@@ -14,7 +14,7 @@ unsafe checkpoint, an output or cache folder that cannot be written, a full disk
 ends with exit status 2 and one line starting `error:`.
 
 Data parallel: `python -m sonata train --nproc N ...` starts N worker processes
-(sonata.distributed.launch, torch's elastic launcher) and keeps that contract: rank
+(sonata.launch, torch's elastic launcher) and keeps that contract: rank
 0's output only, exit 2 and one `error:` line when a worker fails. Under
 `torchrun --nproc_per_node=N -m sonata train ...` the workers keep it too (rank 0
 prints, the others stay silent and exit 2 on an agreed stop), but torchrun itself
@@ -120,7 +120,8 @@ def cmd_train(args) -> int:
             argv = ["train", "--out", out] + (["--resume", args.resume] if args.resume else []) + \
                    (["--init", args.init] if args.init else []) + \
                    (["--progress", args.progress] if args.progress else []) + list(args.overrides)
-            return distributed.launch(args.nproc, argv, max_restarts=max(0, args.max_restarts))
+            from sonata.launch import launch
+            return launch(args.nproc, argv, max_restarts=max(0, args.max_restarts))
     restarted = distributed.restart_count()
     if restarted and (Path(out) / "checkpoint.pt").exists():
         # a worker restarted by torchrun / --max-restarts continues from the run's checkpoint,
@@ -333,7 +334,7 @@ def _dist():
 def _print_error(e: BaseException, agreed: bool = False) -> None:
     """One `error:` line. Data parallel: an error every rank raised (an agreed stop, bad
     input) is printed by rank 0 only; one that only this rank met names the rank (a
-    lost peer always: sonata.distributed.launch recognizes that line)."""
+    lost peer always: sonata.launch recognizes that line)."""
     r = _dist().rank() if _dist() else 0
     if r and (agreed or getattr(e, "agreed", False)):
         return

@@ -1,45 +1,20 @@
-"""A time-budgeted run (train.max_seconds): it stops by time with the learning rate at its
-floor, the step cap still wins when it comes first, bad values are one error line, and a
-budgeted checkpoint resumes in steps. And `python -m sonata eval CKPT --text FILE`: the
-trainer's own validation figures on the same text, one error line for each bad input."""
+"""A time-budgeted run (train.max_seconds) through the trainer: it stops by time with the
+learning rate at its floor, the step cap still wins when it comes first, bad values are one
+error line, a budgeted checkpoint resumes in steps, and the summary says where the time went.
+(The schedule's own functions: test_schedule.py.)"""
 import json
-import math
 
 import pytest
-import torch
 
 from conftest import tiny_overrides
 from sonata import checkpoint as ckpt
-from sonata.__main__ import main
 from sonata.config import Config, apply_overrides, make_config
 from sonata.errors import ConfigError
-from sonata.sources import load_stories, split_train_val
-from sonata.schedule import continue_in_steps, lr_at, lr_at_progress
+from sonata.schedule import lr_at_progress
 from sonata.trainer import Trainer
-from sonata.vocab import EOT
 from test_train import _assert_one_error_line, run_cli
 
 BUDGET = 2.0
-
-
-# ---- the schedule
-
-def test_lr_at_progress_is_the_cosine_over_the_budget_with_warm_up_in_steps():
-    t = make_config(["train.lr=1e-3", "train.min_lr_ratio=0.1", "train.warmup_steps=10"]).train
-    assert lr_at_progress(50, 0.0, t) == pytest.approx(1e-3)
-    assert lr_at_progress(50, 0.5, t) == pytest.approx(1e-4 + 0.9e-3 * 0.5)
-    assert lr_at_progress(50, 1.0, t) == t.lr * t.min_lr_ratio          # the floor, exactly
-    assert lr_at_progress(50, 1.7, t) == t.lr * t.min_lr_ratio          # clamped
-    # warm-up in steps, never above the cosine
-    assert lr_at_progress(0, 0.01, t) == pytest.approx(1e-4)
-    assert lr_at_progress(4, 0.01, t) == pytest.approx(5e-4)
-    assert lr_at_progress(4, 0.99, t) == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * 0.99)))
-    lrs = [lr_at_progress(20, p / 100, t) for p in range(101)]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
-    # the step schedule is unchanged: warm-up, cosine to the floor at max_steps, constant after
-    s = make_config(["train.max_steps=110", "train.warmup_steps=10", "train.lr=1e-3"]).train
-    assert lr_at(9, s) == pytest.approx(1e-3) and lr_at(60, s) == pytest.approx(1e-4 + 0.9e-3 * 0.5)
-    assert lr_at(110, s) == lr_at(500, s) == pytest.approx(1e-4)
 
 
 @pytest.mark.parametrize("value, line", [
@@ -151,133 +126,6 @@ def test_a_budgeted_checkpoint_resumes_in_steps_at_the_floor(budgeted):
         assert summary["resumed_budget"] == {"max_seconds": BUDGET, "train_seconds": s["train_seconds"], "steps": k}
         assert summary["train_seconds"] == pytest.approx(s["train_seconds"] + sum(r["step_s"] for r in more.history))
     assert runs[0] == runs[1]                 # in steps, two resumes train identically
-
-
-def test_continue_in_steps_extrapolates_an_interrupted_budget():
-    t = make_config(["train.max_seconds=100", "train.max_steps=0"]).train
-    state = {"config": make_config(["train.max_seconds=100", "train.max_steps=0"]).to_dict(),
-             "step": 10, "train_seconds": 25.0}
-    r = continue_in_steps(t, state)
-    # a quarter of the budget gave 10 steps: the whole budget is 40 at that pace
-    assert (r.max_seconds, r.decay_steps, r.max_steps) == (0.0, 40, 40)
-    assert t.max_seconds == 100                                    # the caller's config is not changed
-    capped = make_config(["train.max_seconds=100", "train.max_steps=30"])
-    r = continue_in_steps(capped.train, dict(state, config=capped.to_dict()))
-    assert (r.decay_steps, r.max_steps) == (40, 30)                # the budgeted run's step cap still holds
-    asked = make_config(["train.max_seconds=100", "train.max_steps=55"]).train
-    assert continue_in_steps(asked, state).max_steps == 55         # changed on resume: the user's value
-    off = make_config(["train.max_seconds=0", "train.max_steps=0"]).train
-    assert continue_in_steps(off, state).max_steps == 40           # max_seconds=0 on resume: the same
-    with pytest.raises(ConfigError, match=r"^train.max_seconds cannot be changed on resume"):
-        continue_in_steps(make_config(["train.max_seconds=50"]).train, state)
-    steps_state = {"config": make_config().to_dict(), "step": 10, "train_seconds": 3.0}
-    plain = make_config().train
-    assert continue_in_steps(plain, steps_state) is plain          # a step-based run resumes as it was
-    with pytest.raises(ConfigError, match=r"^train.max_seconds cannot be set on resume"):
-        continue_in_steps(make_config(["train.max_seconds=50"]).train, steps_state)
-
-
-
-def test_continue_in_steps_keeps_a_spent_budget_at_its_steps_even_when_its_time_ended_short():
-    """A run that stopped by time ran its last step at budget progress 1 (the projection: time
-    so far + the previous step's), but its measured time can end short of the budget when
-    that last step was faster than the one before: resumed, it still trains at the floor
-    with its own step count, not one extrapolated past it (seen once in a full-suite run:
-    297 instead of 296 steps)."""
-    cfg = make_config(["train.max_seconds=100", "train.max_steps=0"])
-    short = {"config": cfg.to_dict(), "step": 296, "train_seconds": 99.6}     # 296 / 0.996 -> 297
-    r = continue_in_steps(cfg.train, dict(short, budget_progress=1.0))
-    assert (r.max_seconds, r.decay_steps, r.max_steps) == (0.0, 296, 296)
-    r = continue_in_steps(cfg.train, dict(short, budget_progress=0.97))         # interrupted: extrapolated
-    assert (r.decay_steps, r.max_steps) == (297, 297)
-
-# ---- python -m sonata eval
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A tiny model whose final validation covers the whole validation split, and that
-    split written out as text."""
-    out = tmp_path_factory.mktemp("eval")
-    cfg = make_config(tiny_overrides(**{"train.eval_tokens": 0}))
-    tr = Trainer(cfg, out, progress="none")
-    summary = tr.run()
-    _, val = split_train_val(load_stories("embedded", max_stories=60), cfg.data.val_fraction)
-    text = out / "val.txt"
-    text.write_text(f"\n{EOT}\n".join(val) + "\n")
-    return out / "checkpoint.pt", text, summary, tr
-
-
-def test_eval_gives_the_trainers_validation_figures_on_the_same_text(trained, capsys):
-    path, text, summary, tr = trained
-    assert main(["eval", str(path), "--text", str(text), "--json", "--device", "cpu"]) == 0
-    got = json.loads(capsys.readouterr().out)
-    assert got["tokens"] == summary["val_tokens"] == tr.corpus.val.numel() - 1
-    assert got["bytes"] == summary["val_bytes"]
-    assert got["loss"] == pytest.approx(summary["val_loss"], rel=1e-6)
-    assert got["bpb"] == pytest.approx(summary["val_bpb"], rel=1e-6)
-    assert got["bpb"] == pytest.approx(got["loss"] * got["tokens"] / (math.log(2) * got["bytes"]), rel=1e-12)
-    assert got["stories"] == summary["data"]["stories_val"] and got["seq_len"] == 32
-
-
-def test_eval_of_text_without_separators_is_one_story(trained, tmp_path, capsys):
-    path, text, _, tr = trained
-    story = text.read_text().split(EOT)[0].strip()
-    one, sep = tmp_path / "one.txt", tmp_path / "sep.txt"
-    one.write_text(story + "\n")
-    sep.write_text(f"{EOT}\n{story}\n{EOT}")
-    results = []
-    for f in (one, sep):
-        assert main(["eval", str(path), "--text", str(f), "--json", "--device", "cpu"]) == 0
-        results.append(json.loads(capsys.readouterr().out))
-    assert results[0] == results[1] and results[0]["stories"] == 1
-    ids, _ = tr.corpus.vocab.encode_stories([story])
-    assert results[0]["tokens"] == len(ids) - 1
-
-
-def test_cli_eval_prints_loss_and_bits_per_byte(trained):
-    path, text, summary, _ = trained
-    r = run_cli("eval", str(path), "--text", str(text))
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
-    assert lines[0].startswith(f"{text}: {summary['data']['stories_val']} stories, {summary['val_tokens']:,} tokens")
-    assert lines[1] == f"validation loss: {summary['val_loss']:.4f} nats/token"
-    assert lines[2] == f"bits per byte: {summary['val_bpb']:.4f}"
-
-
-def _eval_error(capsys, *args):
-    assert main(["eval", *map(str, args)]) == 2
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
-    return lines[0]
-
-
-def test_eval_bad_inputs_are_one_error_line(trained, tmp_path, capsys):
-    path, text, _, tr = trained
-    missing = tmp_path / "missing.txt"
-    assert _eval_error(capsys, path, "--text", missing) == f"error: text file not found: {missing}"
-    latin = tmp_path / "latin1.txt"
-    latin.write_bytes("Once upon a time, a caf\u00e9.".encode("latin-1"))
-    assert _eval_error(capsys, path, "--text", latin) == \
-        f"error: text file {latin} is not UTF-8 text (invalid continuation byte at byte 23)"
-    short = tmp_path / "short.txt"
-    short.write_text("Hi.")
-    n = len(tr.corpus.vocab.encode_stories(["Hi."])[0])
-    assert _eval_error(capsys, path, "--text", short) == (
-        f"error: text file {short} is too short to score: {n} tokens under the checkpoint's vocabulary, "
-        f"at least data.seq_len + 1 = 33 needed (one full window)")
-    empty = tmp_path / "empty.txt"
-    empty.write_text(f"\n{EOT}\n")
-    assert "too short to score: 0 tokens" in _eval_error(capsys, path, "--text", empty)
-    assert _eval_error(capsys, path, "--text", tmp_path) == f"error: cannot read text file {tmp_path}: Is a directory"
-    assert _eval_error(capsys, tmp_path / "none.pt", "--text", text) == \
-        f"error: checkpoint not found: {tmp_path / 'none.pt'}"
-    bad = tmp_path / "bad.pt"
-    bad.write_bytes(b"not a checkpoint at all")
-    assert "truncated or corrupt" in _eval_error(capsys, bad, "--text", text)
-    assert _eval_error(capsys, path) == "error: eval needs --text FILE for a language model (--lengths is for task checkpoints)"
-    assert _eval_error(capsys, path, "--text", text, "--device", "tpu") == \
-        "error: --device must be auto, cpu or cuda, not 'tpu'"
 
 
 def test_summary_says_where_the_time_went_beside_the_budget(tmp_path, monkeypatch):

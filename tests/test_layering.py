@@ -25,7 +25,7 @@ LAYERS = [
     {"autotune", "distributed", "evaluate", "summary", "update", "stops"},
     {"trainer", "generate"},
     {"bench", "timing", "studies", "dynamics", "selection", "notebook"},
-    {"__main__"},
+    {"__main__", "launch"},
 ]
 LAYER = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 
