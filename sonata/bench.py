@@ -40,7 +40,8 @@ from sonata import kernels
 from sonata.config import make_config
 from sonata.device import sync
 from sonata.errors import TrainingDiverged
-from sonata.memory import LeakDetector, MemoryBudgetExceeded, fmt_mib, release_free_memory, too_few_steps
+from sonata.leak import LeakDetector
+from sonata.memory import MemoryBudgetExceeded, fmt_mib, release_free_memory, too_few_steps
 from sonata.trainer import Trainer
 
 DEFAULT_STEPS = 24      # >= the leak detector's skip (2) + window (16) + a few

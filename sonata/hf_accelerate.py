@@ -34,12 +34,10 @@ Greedy decoding returns transformers' ids; sampling draws from the same distribu
 """
 from __future__ import annotations
 
-import copy
 import types
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from sonata.decode import Decoder, sample_next
 from sonata.errors import SonataError

@@ -31,8 +31,9 @@ from sonata.data import BatchSampler, build_corpus
 from sonata.device import check_precision, resolve_device, sync
 from sonata.errors import CheckpointError
 from sonata.evaluate import EvalResult, evaluate_stream
-from sonata.memory import (InjectedLeak, LeakDetector, MemoryBudgetExceeded, MemoryGuard, available_ram_bytes,
-                           device_total_bytes, peak_memory_bytes, release_free_memory, steady_cpu_heap)
+from sonata.leak import InjectedLeak, LeakDetector
+from sonata.memory import (MemoryBudgetExceeded, MemoryGuard, available_ram_bytes, device_total_bytes,
+                           peak_memory_bytes, release_free_memory, steady_cpu_heap)
 from sonata.model import MambaLM
 from sonata.plan import Plan, plan_batch, resumed_inputs
 from sonata.progress import Progress

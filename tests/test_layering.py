@@ -21,7 +21,7 @@ LAYERS = [
      "kernels.triton", "kernels.autograd", "kernels.decode_cpu", "kernels.numba_cache",
      "kernels.cpu_simd", "kernels.cpu_scan", "kernels.cpu_conv", "kernels.cpu_norm", "kernels.cpu_loss"},
     {"model", "ops"},
-    {"memory", "plan", "schedule", "checkpoint", "tensorboard_log", "hf", "hf_accelerate"},
+    {"memory", "leak", "plan", "schedule", "checkpoint", "tensorboard_log", "hf", "hf_accelerate"},
     {"autotune", "distributed", "evaluate", "summary", "update", "stops"},
     {"trainer", "generate"},
     {"bench", "timing", "studies", "dynamics", "selection", "notebook"},

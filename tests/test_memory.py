@@ -8,7 +8,8 @@ import torch
 from conftest import tiny_overrides
 from sonata import checkpoint as ckpt
 from sonata.config import Config, make_config
-from sonata.memory import LeakDetector, MemoryBudgetExceeded, MemoryGuard, rss_bytes, trend
+from sonata.leak import LeakDetector, trend
+from sonata.memory import MemoryBudgetExceeded, MemoryGuard, rss_bytes
 from sonata.generate import load_model
 from sonata.trainer import Trainer
 from test_train import _assert_one_error_line, run_cli
@@ -129,7 +130,7 @@ def test_leak_detector_reads_a_sawtooth_of_heap_trims_as_flat():
     within 100 steps."""
     import numpy as np
 
-    from sonata.memory import median_slope
+    from sonata.leak import median_slope
     for seed in range(20):
         r = np.random.default_rng(seed)
         flat, leak = LeakDetector(), LeakDetector()
@@ -152,7 +153,7 @@ def test_the_leak_threshold_grows_with_the_step():
     for 100 steps under the sawtooth) is no leak there, a kept graph (~19 KiB per token) is."""
     import numpy as np
 
-    from sonata.memory import leak_threshold
+    from sonata.leak import leak_threshold
     assert leak_threshold(None) == leak_threshold(2048) == leak_threshold(4096) == 256 * 1024
     assert leak_threshold(32768) == 2 * MiB
     r = np.random.default_rng(0)

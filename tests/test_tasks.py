@@ -247,7 +247,7 @@ def test_a_curriculum_stage_restarts_the_leak_detector_and_a_constant_rate_cap_d
     learning rate (min_lr_ratio 1: always at its floor) has nothing to warn about."""
     import warnings
 
-    from sonata.memory import STAGE_SETTLE_STEPS, leak_threshold
+    from sonata.leak import STAGE_SETTLE_STEPS, leak_threshold
     cfg = make_config(task_overrides("mamba", **{"train.max_steps": 9, "train.eval_every": 0,
                                                   "task.curriculum": "8:4,64", "train.max_seconds": 600,
                                                   "train.decay_steps": 0, "train.min_lr_ratio": 1.0}))
