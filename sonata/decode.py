@@ -1,8 +1,13 @@
-"""Fast generation: the next-token sampler and the `Decoder`, which steps a model one
-token per sequence at a time with preallocated buffers after a parallel prefill.
+"""Generation, beside the model: `generate` (a parallel prefill, then a decoder one token per
+sequence at a time), `generate_reference` (its oracle, token by token), the next-token
+sampler, and the decoders. `Decoder(model, batch)` picks the engine once, when it is built:
+`FusedDecoder` (one numba call per token for every layer and the head: a float32 model on
+the CPU without int8) or `TorchDecoder` (the same step in preallocated torch buffers: any
+device, dtype, int8; the fused one's reference). Both keep the same states (every layer's
+conv ring buffer and SSM state, one tensor each) and prefill the same way.
 
-`MambaLM.generate` drives it; it reads a `sonata.model.MambaLM`'s parameters by name
-and imports nothing from `sonata.model` (imports run one way: model -> decode).
+It reads a `sonata.model.MambaLM`'s parameters by name and imports nothing from
+`sonata.model` (imports run one way: model -> decode); `MambaLM.generate` calls `generate`.
 """
 from __future__ import annotations
 
@@ -61,88 +66,82 @@ def _decode_weight(m: nn.Module) -> torch.Tensor:
     return fake_quant_int8(m.weight).detach() if getattr(m, "int8", False) else m.weight.detach()
 
 
-class Decoder:
-    """Decoding one token per sequence at a time for a fixed batch, in place.
+class _Decoder:
+    """What both engines share: the states, the prefill, the thread setting, `step`."""
 
-    Every state and scratch tensor is allocated once here; `step` writes into them with
-    `out=` and in-place ops, under `torch.inference_mode`, through views made once (no
-    slicing, no new state tensors per token). The convolution window is a ring buffer read
-    with the taps rotated to its write position. `prefill` consumes a whole prompt with
-    the parallel scan and loads its final states. `MambaLM.step` is the reference.
-    A float32 model on the CPU without int8 steps with one fused numba call instead
-    (`sonata.kernels.decode_cpu.step`, same states and ring buffer); `fused=False` forces the
-    torch ops, which are that kernel's reference.
-    """
+    fused = False
 
-    def __init__(self, model: MambaLM, batch: int, fused: bool | None = None):
+    def __init__(self, model: "MambaLM", batch: int):
         c = model.cfg
         p = model.embedding.weight
-        b, d, di, n, r, k = batch, c.d_model, c.d_inner, c.d_state, c.dt_rank_, c.d_conv
+        b, di, n, k = batch, c.d_inner, c.d_state, c.d_conv
         nl = len(model.layers)
         self.model, self.batch, self.k, self.pos = model, batch, k, 0
         # A step of a small model is ~40 tiny ops: splitting them over OpenMP threads costs more
         # than it saves, and on a busy machine a waiting thread pool costs milliseconds a step
-        # (measured: 0.2 vs 2-30 ms at batch 1 on 2 shared cores). Steps run on one thread
-        # while the in_proj work per step is under ~1M multiply-adds.
-        self.one_thread = p.device.type == "cpu" and b * d * 2 * di < ONE_THREAD_MACS
+        # (measured: 0.2 vs 2-30 ms at batch 1 on 2 shared cores). Torch steps run on one thread
+        # while the in_proj work per step is under ~1M multiply-adds; the fused step runs no
+        # torch ops at all.
+        self.one_thread = (not self.fused and p.device.type == "cpu"
+                           and b * c.d_model * 2 * di < ONE_THREAD_MACS)
+        self._inside = False
         with torch.inference_mode():
             # every layer's states in one tensor each, so the fused step takes them in one argument
             self.conv_state = p.new_zeros(nl, b, k, di)                 # ring buffers
             self.ssm_state = p.new_zeros(nl, b, di, n)
-        new = p.new_empty
-        self.logits = new(b, c.vocab_size)
-        self.fused = self._fused_setup(model, fused)
-        if self.fused:
-            self.one_thread = False       # the fused step runs no torch ops: no thread switch per step
-            return                                                      # no torch weights or scratch
-        with torch.inference_mode():
-            self.layers = [_LayerWeights(layer, self.conv_state[i], self.ssm_state[i])
-                           for i, layer in enumerate(model.layers)]
-            self.emb = p.detach()
-            self.head_wt = _decode_weight(model.lm_head).t()            # (d, vocab)
-        self.norm_w, self.norm_eps, self.dshape = model.norm_f.weight, model.norm_f.eps, (d,)
-        self.h = new(b, d)
-        self.xz = new(b, 2 * di)
-        self.x, self.z = self.xz[:, :di], self.xz[:, di:]                # views, made once
-        self.tmp = new(b, k, di)
-        self.tmp_sum, self.xc_pre, self.xc = new(b, di), new(b, di), new(b, di)
-        self.xdbl = new(b, r + 2 * n)
-        self.dt_in = self.xdbl[:, :r]
-        self.B3 = self.xdbl[:, None, r:r + n]                           # (b, 1, n)
-        self.C3 = self.xdbl[:, r + n:, None]                            # (b, n, 1)
-        self.dt = new(b, di)
-        self.dt3 = self.dt[:, :, None]
-        self.zero = p.new_zeros(())
-        self.dtA, self.dA = new(b, di, n), new(b, di, n)
-        self.dtx = new(b, di)
-        self.dtx3 = self.dtx[:, :, None]
-        self.y = new(b, di)
-        self.y3 = self.y[:, :, None]
-        self.g = new(b, di)
+            self.logits = p.new_empty(b, c.vocab_size)
 
-    def _fused_setup(self, model: MambaLM, fused: bool | None) -> bool:
-        """Whether steps run `sonata.kernels.decode_cpu.step` (fused=None: whenever it can: a
-        float32 model on the CPU, no int8, numba installed; True: required; False: never), and
-        its float32 numpy arrays, made once: weight copies, transposed and stacked over the
-        layers, and views of the state and logits tensors (shared memory, so `prefill` and the
-        torch step see the same states)."""
-        p = model.embedding.weight
-        int8 = any(getattr(m, "int8", False) for m in model.modules())
-        can = p.device.type == "cpu" and p.dtype == torch.float32 and not int8
-        if fused is False or (fused is None and not can):
-            return False
-        if not can:
-            raise ValueError("the fused decode step needs a float32 model on the CPU without int8")
+    @torch.inference_mode()
+    def prefill(self, prompt) -> torch.Tensor:
+        """Consume prompt (b, T) in one parallel pass; logits after its last token (b, vocab)."""
+        logits, states = self.model.prefill(prompt)
+        for i, (conv, ssm) in enumerate(states):
+            self.conv_state[i].copy_(conv.transpose(1, 2))              # newest in slot k-1
+            self.ssm_state[i].copy_(ssm)
+        self.pos = 0                                                    # so the next write is slot 0
+        self.logits.copy_(logits)
+        return self.logits
+
+    @contextlib.contextmanager
+    def threads(self):
+        """Run the block on one torch thread when `one_thread` says so (restored after); steps
+        inside it switch nothing."""
+        n = torch.get_num_threads()
+        if not self.one_thread or n == 1 or self._inside:
+            yield
+            return
+        torch.set_num_threads(1)
+        self._inside = True
         try:
-            from sonata.kernels import decode_cpu
-        except ImportError:                                             # numba missing
-            if fused:
-                raise
-            return False
+            yield
+        finally:
+            self._inside = False
+            torch.set_num_threads(n)
+
+    @torch.inference_mode()
+    def step(self, idx) -> torch.Tensor:
+        """Feed idx (b,); logits (b, vocab) in a buffer the next call overwrites."""
+        if not self.one_thread or self._inside or torch.get_num_threads() == 1:
+            return self._step(idx)
+        with self.threads():
+            return self._step(idx)
+
+
+class FusedDecoder(_Decoder):
+    """The step as one fused numba call (`sonata.kernels.decode_cpu.step`) on float32 numpy
+    copies of the weights, made once here (transposed and stacked over the layers), and views
+    of the state and logits tensors (shared memory: `prefill` writes what the kernel reads)."""
+
+    fused = True
+
+    def __init__(self, model: "MambaLM", batch: int):
+        super().__init__(model, batch)
+        from sonata.kernels import decode_cpu                          # ImportError without numba
 
         def arr(ts):   # stacked float32 copies, by numpy: no torch thread pool to wake per copy
             return np.ascontiguousarray(np.stack([t.detach().numpy() for t in ts]))
 
+        p = model.embedding.weight
         mix = [layer.mixer for layer in model.layers]
         with torch.no_grad():
             norms = [layer.norm for layer in model.layers] + [model.norm_f]
@@ -163,50 +162,51 @@ class Decoder:
             )
         self._kernel = decode_cpu.step
         self._tail = (self.conv_state.numpy(), self.ssm_state.numpy(), self.logits.numpy())
-        return True
-
-    @torch.inference_mode()
-    def prefill(self, prompt) -> torch.Tensor:
-        """Consume prompt (b, T) in one parallel pass; logits after its last token (b, vocab)."""
-        logits, states = self.model.prefill(prompt)
-        for i, (conv, ssm) in enumerate(states):
-            self.conv_state[i].copy_(conv.transpose(1, 2))              # newest in slot k-1
-            self.ssm_state[i].copy_(ssm)
-        self.pos = 0                                                    # so the next write is slot 0
-        self.logits.copy_(logits)
-        return self.logits
-
-    @contextlib.contextmanager
-    def threads(self):
-        """Run the block on one torch thread when `one_thread` says so (restored after)."""
-        n = torch.get_num_threads()
-        if not self.one_thread or n == 1:
-            yield
-            return
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(n)
-
-    @torch.inference_mode()
-    def step(self, idx) -> torch.Tensor:
-        """Feed idx (b,); logits (b, vocab) in a buffer the next call overwrites."""
-        if not self.one_thread or torch.get_num_threads() == 1:
-            return self._step(idx)
-        with self.threads():
-            return self._step(idx)
 
     def _step(self, idx) -> torch.Tensor:
-        if self.fused:
-            slot = self.pos
-            self.pos = (slot + 1) % self.k
-            self._kernel(idx.numpy(), slot, *self._weights, *self._tail)
-            return self.logits
-        return self._torch_step(idx)
+        slot = self.pos
+        self.pos = (slot + 1) % self.k
+        self._kernel(idx.numpy(), slot, *self._weights, *self._tail)
+        return self.logits
 
-    def _torch_step(self, idx) -> torch.Tensor:
-        """The step in torch ops (the fused kernel's reference; any device, dtype, int8)."""
+
+class TorchDecoder(_Decoder):
+    """The step in torch ops, every tensor allocated once here: `out=` and in-place ops through
+    views made once (no slicing, no new state tensors per token); the convolution window is a
+    ring buffer read with the taps rotated to its write position. Any device, dtype, int8."""
+
+    def __init__(self, model: "MambaLM", batch: int):
+        super().__init__(model, batch)
+        c = model.cfg
+        p = model.embedding.weight
+        b, d, di, n, r, k = batch, c.d_model, c.d_inner, c.d_state, c.dt_rank_, c.d_conv
+        with torch.inference_mode():
+            self.layers = [_LayerWeights(layer, self.conv_state[i], self.ssm_state[i])
+                           for i, layer in enumerate(model.layers)]
+            self.emb = p.detach()
+            self.head_wt = _decode_weight(model.lm_head).t()            # (d, vocab)
+        self.norm_w, self.norm_eps, self.dshape = model.norm_f.weight, model.norm_f.eps, (d,)
+        new = p.new_empty
+        self.h = new(b, d)
+        self.xz = new(b, 2 * di)
+        self.x, self.z = self.xz[:, :di], self.xz[:, di:]                # views, made once
+        self.tmp = new(b, k, di)
+        self.tmp_sum, self.xc_pre, self.xc = new(b, di), new(b, di), new(b, di)
+        self.xdbl = new(b, r + 2 * n)
+        self.dt_in = self.xdbl[:, :r]
+        self.B3 = self.xdbl[:, None, r:r + n]                           # (b, 1, n)
+        self.C3 = self.xdbl[:, r + n:, None]                            # (b, n, 1)
+        self.dt = new(b, di)
+        self.dt3 = self.dt[:, :, None]
+        self.zero = p.new_zeros(())
+        self.dtA, self.dA = new(b, di, n), new(b, di, n)
+        self.dtx = new(b, di)
+        self.dtx3 = self.dtx[:, :, None]
+        self.y = new(b, di)
+        self.y3 = self.y[:, :, None]
+        self.g = new(b, di)
+
+    def _step(self, idx) -> torch.Tensor:
         h, slot = self.h, self.pos
         self.pos = (slot + 1) % self.k
         torch.index_select(self.emb, 0, idx, out=h)
@@ -235,3 +235,76 @@ class Decoder:
             h.addmm_(self.y, lw.out_wt)
         torch.mm(F.rms_norm(h, self.dshape, self.norm_w, self.norm_eps), self.head_wt, out=self.logits)
         return self.logits
+
+
+def Decoder(model: "MambaLM", batch: int, fused: bool | None = None) -> _Decoder:    # noqa: N802
+    """The decoder for `model` at `batch` sequences, its engine picked here: fused=None, the
+    fused step whenever it can run (a float32 model on the CPU, no int8, numba installed);
+    True, required (a ValueError where it cannot); False, the torch step."""
+    p = model.embedding.weight
+    int8 = any(getattr(m, "int8", False) for m in model.modules())
+    can = p.device.type == "cpu" and p.dtype == torch.float32 and not int8
+    if fused is True and not can:
+        raise ValueError("the fused decode step needs a float32 model on the CPU without int8")
+    if fused is not False and can:
+        try:
+            return FusedDecoder(model, batch)
+        except ImportError:                                             # numba missing
+            if fused:
+                raise
+    return TorchDecoder(model, batch)
+
+
+@torch.inference_mode()
+def generate(model: "MambaLM", prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+             generator: torch.Generator | None = None, stop_token: int | None = None) -> torch.Tensor:
+    """Sampling (greedy at temperature <= 0): prompt (b, T) int64 -> (b, T + new) ids; stops
+    early once every row has produced `stop_token`. The prompt is consumed in one parallel
+    pass, then a `Decoder` steps with preallocated buffers (`generate_reference` is the
+    token-by-token original it is tested against)."""
+    dec = Decoder(model, prompt.shape[0])
+    b, T = prompt.shape
+    out = torch.empty(b, T + max_new_tokens, dtype=torch.long, device=prompt.device)
+    out[:, :T] = prompt
+    logits = dec.prefill(prompt)
+    done = torch.zeros(b, dtype=torch.bool, device=prompt.device) if stop_token is not None else None
+    n = 0
+    with dec.threads():
+        for i in range(max_new_tokens):
+            nxt = out[:, T + i]
+            sample_next(logits, temperature, top_k, generator, out=nxt)
+            n = i + 1
+            if done is not None:
+                done |= nxt == stop_token
+                if bool(done.all()):
+                    break
+            if i + 1 < max_new_tokens:
+                logits = dec.step(nxt)
+    return out[:, :T + n].clone() if n < max_new_tokens else out
+
+
+@torch.no_grad()
+def generate_reference(model: "MambaLM", prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+                       generator: torch.Generator | None = None, stop_token: int | None = None) -> torch.Tensor:
+    """`generate` written plainly: the prompt fed token by token through `model.step`, new
+    state tensors every step. The oracle for `generate` and the decoders."""
+    b = prompt.shape[0]
+    dev = prompt.device
+    states = [layer.mixer.empty_state(b, dev) for layer in model.layers]
+    logits = None
+    for t in range(prompt.shape[1]):
+        logits, states = model.step(prompt[:, t], states)
+    out = [prompt]
+    done = torch.zeros(b, dtype=torch.bool, device=dev)
+    for _ in range(max_new_tokens):
+        nxt = sample_next(logits, temperature, top_k, generator)
+        out.append(nxt[:, None])
+        if stop_token is not None:
+            done |= nxt == stop_token
+            if bool(done.all()):
+                break
+        logits, states = model.step(nxt, states)
+    return torch.cat(out, dim=1)
+
+
+__all__ = ["Decoder", "FusedDecoder", "TorchDecoder", "generate", "generate_reference", "sample_next"]

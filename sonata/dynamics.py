@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from sonata.config import make_config
 from sonata.errors import TrainingDiverged
+from sonata.model import max_decay
 from sonata.trainer import Trainer
 
 VARIANTS = {
@@ -57,7 +58,7 @@ def run_variant(variant: str, lr: float, overrides: dict, probe_batch: int = 4,
     run = DynamicsRun(variant, lr)
 
     def record(tr, row):
-        row["max_decay"] = tr.model.max_decay(probe)
+        row["max_decay"] = max_decay(tr.model, probe)
         run.steps.append(row["step"])
         run.loss.append(row["loss"])
         run.max_decay.append(row["max_decay"])

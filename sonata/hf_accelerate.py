@@ -238,7 +238,7 @@ def decode(lm: MambaLM, plan: Plan) -> torch.Tensor:
                 if not bool(unfinished.any()):
                     break
             if n < plan.new_tokens:
-                logits = dec._step(nxt)
+                logits = dec.step(nxt)
     return out[:, :T + n].clone() if n < plan.new_tokens else out
 
 

@@ -27,10 +27,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sonata.config import ModelConfig
-from sonata.decode import Decoder, sample_next
+from sonata import decode
 from sonata.kernels import conv_silu, rms_norm, selective_scan
 from sonata.kernels.reference import project_delta, step as scan_step
-from sonata.quant import QLinear, quantize_int8
+from sonata.quant import QLinear
 
 
 class RMSNorm(nn.Module):
@@ -332,62 +332,6 @@ class MambaLM(nn.Module):
         if self.cfg.arch != "mamba":
             raise ValueError(f"{what} needs model.arch=mamba (this model is {self.cfg.arch!r})")
 
-    def set_int8(self, on: bool) -> None:
-        """Fake-quantize every projection and the head to int8 (training and evaluation)."""
-        for m in self.modules():
-            if isinstance(m, QLinear):
-                m.int8 = on
-
-    @torch.no_grad()
-    def deltas(self, idx) -> list[torch.Tensor]:
-        """The step sizes delta = softplus(dt + bias) of every SSM layer for input idx: one
-        (b, d_inner, L) tensor per Mamba (or lti) layer, attention layers skipped. What
-        selection is: large delta writes the input into the state, tiny delta keeps it."""
-        h, out = self.embedding(idx), []
-        for layer in self.layers:
-            if isinstance(layer, MambaBlock):
-                mix, L = layer.mixer, idx.shape[1]
-                x, _ = mix.in_proj(layer.norm(h)).transpose(1, 2).chunk(2, dim=1)
-                x = F.silu(mix.conv1d(x)[..., :L])
-                delta, _, _ = mix._ssm_inputs(x.transpose(1, 2))
-                out.append(F.softplus(delta + mix.delta_bias[:, None]))  # (b, di, L)
-            h = layer(h)
-        return out
-
-    @torch.no_grad()
-    def max_decay(self, idx) -> float:
-        """Largest exp(delta*A) over all layers, channels and positions for input idx:
-        below 1 the recurrence is contracting; above 1 the state can blow up."""
-        worst = 0.0
-        mixers = [layer.mixer for layer in self.layers if isinstance(layer, MambaBlock)]
-        for mix, dt in zip(mixers, self.deltas(idx)):
-            A = mix.A                                                  # (di, n)
-            # exp(dt*A) is largest at the largest dt where A > 0 and the smallest where A < 0
-            hi = torch.where(A > 0, dt.amax(dim=(0, 2))[:, None] * A, dt.amin(dim=(0, 2))[:, None] * A)
-            worst = max(worst, float(torch.exp(hi.max().double())))   # fp64: 1 - 1e-9 is not 1
-        return worst
-
-    def int8_state(self) -> dict:
-        """Export: real int8 weights with per-row scales for every quantized projection and the
-        head, plus the float tensors of everything else."""
-        out, quant = {}, {}
-        for name, m in self.named_modules():
-            if isinstance(m, QLinear):
-                quant[name + ".weight"] = m
-        for name, t in self.state_dict().items():
-            if name in quant:
-                q, scale = quantize_int8(t)
-                out[name] = {"int8": q, "scale": scale}
-            else:
-                out[name] = t.detach().clone()
-        return out
-
-    def load_int8_state(self, state: dict) -> None:
-        """Load an `int8_state()` export, dequantizing the int8 weights."""
-        sd = {k: (v["int8"].float() * v["scale"][:, None] if isinstance(v, dict) else v)
-              for k, v in state.items()}
-        self.load_state_dict(sd)
-
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
@@ -411,56 +355,17 @@ class MambaLM(nn.Module):
             states.append(s)
         return self.lm_head(self.norm_f(h[:, -1])), states
 
-    @torch.inference_mode()
     def generate(self, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
                  generator: torch.Generator | None = None, stop_token: int | None = None):
-        """Sampling (greedy at temperature <= 0): prompt (b, T) int64 -> (b, T + new) ids; stops
-        early once every row has produced `stop_token`. The prompt is consumed in one parallel
-        pass, then a `Decoder` steps with preallocated buffers (`generate_reference` is the
-        token-by-token original it is tested against)."""
+        """Sampling (greedy at temperature <= 0): prompt (b, T) -> (b, T + new) ids
+        (`sonata.decode.generate`: a parallel prefill, then the decoder)."""
         self._need_mamba("generation")
-        dec = Decoder(self, prompt.shape[0])
-        b, T = prompt.shape
-        out = torch.empty(b, T + max_new_tokens, dtype=torch.long, device=prompt.device)
-        out[:, :T] = prompt
-        logits = dec.prefill(prompt)
-        done = torch.zeros(b, dtype=torch.bool, device=prompt.device) if stop_token is not None else None
-        n = 0
-        with dec.threads():
-            for i in range(max_new_tokens):
-                nxt = out[:, T + i]
-                sample_next(logits, temperature, top_k, generator, out=nxt)
-                n = i + 1
-                if done is not None:
-                    done |= nxt == stop_token
-                    if bool(done.all()):
-                        break
-                if i + 1 < max_new_tokens:
-                    logits = dec._step(nxt)
-        return out[:, :T + n].clone() if n < max_new_tokens else out
+        return decode.generate(self, prompt, max_new_tokens, temperature, top_k, generator, stop_token)
 
-    @torch.no_grad()
     def generate_reference(self, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
                            generator: torch.Generator | None = None, stop_token: int | None = None):
-        """`generate` written plainly: the prompt fed token by token through `step`, new state
-        tensors every step. The oracle for `generate` and `Decoder`."""
-        b = prompt.shape[0]
-        dev = prompt.device
-        states = [layer.mixer.empty_state(b, dev) for layer in self.layers]
-        logits = None
-        for t in range(prompt.shape[1]):
-            logits, states = self.step(prompt[:, t], states)
-        out = [prompt]
-        done = torch.zeros(b, dtype=torch.bool, device=dev)
-        for _ in range(max_new_tokens):
-            nxt = sample_next(logits, temperature, top_k, generator)
-            out.append(nxt[:, None])
-            if stop_token is not None:
-                done |= nxt == stop_token
-                if bool(done.all()):
-                    break
-            logits, states = self.step(nxt, states)
-        return torch.cat(out, dim=1)
+        """`generate`'s oracle, token by token (`sonata.decode.generate_reference`)."""
+        return decode.generate_reference(self, prompt, max_new_tokens, temperature, top_k, generator, stop_token)
 
 
 def param_groups(model: nn.Module, weight_decay: float):
@@ -478,3 +383,34 @@ def param_groups(model: nn.Module, weight_decay: float):
             decay.append(p)
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
+
+
+@torch.no_grad()
+def deltas(model: MambaLM, idx) -> list[torch.Tensor]:
+    """The step sizes delta = softplus(dt + bias) of every SSM layer of `model` for input idx:
+    one (b, d_inner, L) tensor per Mamba (or lti) layer, attention layers skipped. What
+    selection is: large delta writes the input into the state, tiny delta keeps it."""
+    h, out = model.embedding(idx), []
+    for layer in model.layers:
+        if isinstance(layer, MambaBlock):
+            mix, L = layer.mixer, idx.shape[1]
+            x, _ = mix.in_proj(layer.norm(h)).transpose(1, 2).chunk(2, dim=1)
+            x = F.silu(mix.conv1d(x)[..., :L])
+            delta, _, _ = mix._ssm_inputs(x.transpose(1, 2))
+            out.append(F.softplus(delta + mix.delta_bias[:, None]))  # (b, di, L)
+        h = layer(h)
+    return out
+
+
+@torch.no_grad()
+def max_decay(model: MambaLM, idx) -> float:
+    """Largest exp(delta*A) over all layers, channels and positions of `model` for input idx:
+    below 1 the recurrence is contracting; above 1 the state can blow up (notebook 05)."""
+    worst = 0.0
+    mixers = [layer.mixer for layer in model.layers if isinstance(layer, MambaBlock)]
+    for mix, dt in zip(mixers, deltas(model, idx)):
+        A = mix.A                                                  # (di, n)
+        # exp(dt*A) is largest at the largest dt where A > 0 and the smallest where A < 0
+        hi = torch.where(A > 0, dt.amax(dim=(0, 2))[:, None] * A, dt.amin(dim=(0, 2))[:, None] * A)
+        worst = max(worst, float(torch.exp(hi.max().double())))   # fp64: 1 - 1e-9 is not 1
+    return worst

@@ -1,5 +1,6 @@
 """sonata's int8: the one definition of its quantization (symmetric, per output
-channel) and the linear layer that trains through it (precision int8)."""
+channel), the linear layer that trains through it (precision int8), and a model's int8
+switch and export (`set_int8`, `int8_state`, `load_int8_state`: any module holding QLinears)."""
 from __future__ import annotations
 
 import torch
@@ -28,3 +29,30 @@ class QLinear(nn.Linear):
     def forward(self, x):
         w = fake_quant_int8(self.weight) if self.int8 else self.weight
         return F.linear(x, w, self.bias)
+
+
+def set_int8(model: nn.Module, on: bool) -> None:
+    """Fake-quantize every QLinear of `model` (projections and head) to int8, or stop."""
+    for m in model.modules():
+        if isinstance(m, QLinear):
+            m.int8 = on
+
+
+def int8_state(model: nn.Module) -> dict:
+    """Export: real int8 weights with per-row scales for every QLinear's weight, plus the float
+    tensors of everything else."""
+    quant = {name + ".weight" for name, m in model.named_modules() if isinstance(m, QLinear)}
+    out = {}
+    for name, t in model.state_dict().items():
+        if name in quant:
+            q, scale = quantize_int8(t)
+            out[name] = {"int8": q, "scale": scale}
+        else:
+            out[name] = t.detach().clone()
+    return out
+
+
+def load_int8_state(model: nn.Module, state: dict) -> None:
+    """Load an `int8_state` export into `model`, dequantizing the int8 weights."""
+    model.load_state_dict({k: (v["int8"].float() * v["scale"][:, None] if isinstance(v, dict) else v)
+                           for k, v in state.items()})

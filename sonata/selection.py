@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from sonata.config import make_config
+from sonata.model import deltas
 from sonata.tasks import InductionHeads, accuracy_by_length, make_task
 from sonata.trainer import Trainer
 
@@ -231,7 +232,7 @@ def delta_panels(models: dict, seed: int = 0, length: int = 48) -> tuple[dict, l
     labels = ["S" if t == task.S else ("A" if i == s + 1 else str(t)) for i, t in enumerate(x[0].tolist())]
     panels = {"delta": {}, "write": {}}
     for name, model in models.items():
-        for i, (d, w) in enumerate(zip(model.deltas(x), _write_strength(model, x))):
+        for i, (d, w) in enumerate(zip(deltas(model, x), _write_strength(model, x))):
             panels["delta"][f"{name}, layer {i + 1}"] = d[0].float().numpy()
             panels["write"][f"{name}, layer {i + 1}"] = w[0].float().numpy()
     return panels, labels
@@ -248,7 +249,7 @@ def delta_summary(models: dict, n: int = 64, length: int = 256, seed: int = 0) -
     s = (x[:, :-1] == task.S).int().argmax(1)
     rows = []
     for name, model in models.items():
-        for i, (d, w) in enumerate(zip(model.deltas(x), _write_strength(model, x))):
+        for i, (d, w) in enumerate(zip(deltas(model, x), _write_strength(model, x))):
             row = {"model": name, "layer": i + 1}
             for what, v in (("delta", d), ("write", w)):                 # (n, di, L)
                 at_a = v[torch.arange(n), :, s + 1].median(0).values     # (di,)

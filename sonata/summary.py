@@ -9,6 +9,7 @@ from sonata import checkpoint as ckpt
 from sonata import distributed, kernels
 from sonata.data import d2h, h2d
 from sonata.memory import peak_memory_bytes
+from sonata.quant import int8_state, load_int8_state, set_int8
 
 MEASURE_SKIP = 2   # steps excluded from sustained tokens/s (compilation, allocator warm-up)
 
@@ -82,17 +83,17 @@ def int8_report(tr) -> dict:
     """An int8 run's extra figures: validation with the fake-quantization off (the float32
     weights) and of a model rebuilt from the real int8 export (weights int8 + scales), which
     rank 0 also writes as model_int8.pt beside the checkpoint."""
-    tr.model.set_int8(False)
+    set_int8(tr.model, False)
     try:
         fp32 = tr.evaluate()
     finally:
-        tr.model.set_int8(True)
+        set_int8(tr.model, True)
     q = type(tr.model)(tr.cfg.model).to(tr.device)
-    q.load_int8_state(tr.model.int8_state())
-    q.set_int8(True)
+    load_int8_state(q, int8_state(tr.model))
+    set_int8(q, True)
     export = tr.evaluate(model=q)
     if tr.out_dir and tr.is_main:
-        ckpt.write_atomic(tr.out_dir / "model_int8.pt", ckpt.to_bytes(tr.model.int8_state()), "int8 export")
+        ckpt.write_atomic(tr.out_dir / "model_int8.pt", ckpt.to_bytes(int8_state(tr.model)), "int8 export")
     return {"val_loss_fp32_weights": fp32.loss, "val_loss_int8_export": export.loss,
             "val_bpb_int8_export": export.bpb}
 

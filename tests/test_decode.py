@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from sonata.decode import Decoder
+from sonata.quant import set_int8
 from sonata.generate import generate_text, stream_text
 from models import _ids, _sonata, _vocab
 
@@ -52,7 +53,7 @@ def test_fused_decode_step_runs_only_where_it_applies():
     with pytest.raises(ValueError, match="float32 model on the CPU"):
         Decoder(m, 2, fused=True)
     m = _sonata(seed=13)
-    m.set_int8(True)
+    set_int8(m, True)
     assert not Decoder(m, 2).fused                                     # int8: the torch step
 
 
