@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import threading
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -143,6 +144,32 @@ def _delta_args(delta, delta_proj, ct):
     return _activation(delta, ct), _activation(delta_proj, ct)   # C-contiguous: small copies
 
 
+class ScanInputs(NamedTuple):
+    """The scan kernels' inputs, in their argument order (forward and backward take the same
+    twelve). numba compiles one array type per argument, so an absent input (D, z,
+    delta_bias, the delta projection) is a small placeholder array beside a flag or a size
+    that says it is absent (has_z; dtw of width 0), never None."""
+    u: np.ndarray            # (batch, dim, L), or the (batch, L, dim) array behind a transposed view
+    u_tm: bool               # u is time-major
+    delta: np.ndarray        # (batch, dim, L), or (batch, L, R): the delta projection's input
+    dtw: np.ndarray          # (dim, R) delta projection weight; (1, 0) without one
+    A: np.ndarray            # (dim, N)
+    Bt: np.ndarray           # (batch, L, N) view of B
+    Ct: np.ndarray           # (batch, L, N) view of C
+    D: np.ndarray            # (dim,), zeros when absent
+    z: np.ndarray            # (batch, dim, L), a (1, 1, 1) placeholder when absent
+    delta_bias: np.ndarray   # (dim,), zeros when absent
+    softplus: bool
+    has_z: bool
+
+
+def _scan_inputs(u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj, ct) -> ScanInputs:
+    dim = u.shape[1]
+    return ScanInputs(*_either_layout(u, ct), *_delta_args(delta, delta_proj, ct), _np(A, ct), _transposed(B, ct),
+                      _transposed(C, ct), _optional(D, ct, (dim,)), _optional(z, ct, (1, 1, 1), _activation),
+                      _optional(delta_bias, ct, (dim,)), bool(delta_softplus), z is not None)
+
+
 def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj=None, initial_state=None):
     """-> (out (batch, dim, L) in u's dtype, last_state (batch, dim, N) in the compute dtype,
     saved = (checkpoints (batch, dim, n_chunks, N), chunk length as a 0-d tensor)). u may come
@@ -162,11 +189,10 @@ def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj=None
     out = torch.empty((batch, L, dim), dtype=ct)
     last_state = torch.empty((batch, dim, N), dtype=ct)
     ckpt = torch.empty((batch, dim, n_chunks, N), dtype=ct)
-    _forward_kernel(*_either_layout(u, ct), *_delta_args(delta, delta_proj, ct), _np(A, ct), _transposed(B, ct),
-                    _transposed(C, ct), _optional(D, ct, (dim,)), _optional(z, ct, (1, 1, 1), _activation),
-                    _optional(delta_bias, ct, (dim,)), bool(delta_softplus), z is not None,
-                    _optional(initial_state, ct, (1, 1, 1), _activation), initial_state is not None, chunk,
-                    n_workers, out.numpy(), last_state.numpy(), ckpt.numpy())
+    inputs = _scan_inputs(u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj, ct)
+    h0 = _optional(initial_state, ct, (1, 1, 1), _activation)           # a placeholder when absent
+    _forward_kernel(*inputs, h0, initial_state is not None, chunk, n_workers,
+                    out.numpy(), last_state.numpy(), ckpt.numpy())
     return _as(out, u.dtype).transpose(1, 2), last_state, (ckpt, _chunk_length(chunk))
 
 
@@ -195,15 +221,15 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
     dD = torch.empty((dim,), dtype=ct)
     ddb = torch.empty((dim,), dtype=ct)
     dh0 = torch.empty((batch, dim, N) if initial_state is not None else (1, 1, 1), dtype=ct)
+    # the output's gradient (zeros when only the last state has one) and the last state's
     dout_args = (_optional(None, ct, (batch, dim, L)), False) if dout is None else _either_layout(dout, ct)
-    _backward_kernel(*dout_args, _optional(dlast, ct, (batch, dim, N)),
-                     *_either_layout(u, ct), *_delta_args(delta, delta_proj, ct), _np(A, ct), _transposed(B, ct),
-                     _transposed(C, ct), _optional(D, ct, (dim,)), _optional(z, ct, (1, 1, 1), _activation),
-                     _optional(delta_bias, ct, (dim,)), bool(delta_softplus), z is not None,
-                     int(chunk), _np(ckpt, ct), _n_groups(batch, dim), n_workers,
-                     du.numpy(), ddelta.numpy(), dz.numpy(), dA.numpy(), dB.numpy(), dC.numpy(),
-                     dD.numpy(), ddb.numpy(), dW.numpy(), ddelta.numpy() if R else dW.numpy()[None],
-                     dh0.numpy(), initial_state is not None)
+    inputs = _scan_inputs(u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj, ct)
+    grads_out = dict(du=du.numpy(), ddelta=ddelta.numpy(), dz=dz.numpy(), dA=dA.numpy(), dB=dB.numpy(),
+                     dC=dC.numpy(), dD=dD.numpy(), ddb=ddb.numpy(), dW=dW.numpy(),
+                     dX=ddelta.numpy() if R else dW.numpy()[None],    # the projection's input gradient
+                     dh0=dh0.numpy(), want_dh0=initial_state is not None)
+    _backward_kernel(*dout_args, _optional(dlast, ct, (batch, dim, N)), *inputs,
+                     int(chunk), _np(ckpt, ct), _n_groups(batch, dim), n_workers, *grads_out.values())
     grads = (_as(du, u.dtype).transpose(1, 2), _as(ddelta, delta.dtype), _as(dA, A.dtype), _as(dB, B.dtype), _as(dC, C.dtype),
              None if D is None else _as(dD, D.dtype),
              None if z is None else _as(dz, z.dtype),
