@@ -279,7 +279,7 @@ def generate(model: "MambaLM", prompt, max_new_tokens: int, temperature: float =
                 if bool(done.all()):
                     break
             if i + 1 < max_new_tokens:
-                logits = dec.step(nxt)
+                logits = dec._step(nxt)       # already inside inference mode and dec.threads()
     return out[:, :T + n].clone() if n < max_new_tokens else out
 
 
