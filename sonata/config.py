@@ -17,12 +17,13 @@ from sonata.errors import ConfigError
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 
 
-ARCHS = ("mamba", "lti", "attention")
+ARCHS = ("mamba", "lti", "attention", "gpt2")
 
 
 @dataclass
 class ModelConfig:
     arch: str = "mamba"         # mamba | lti (time-invariant ablation: delta, B, C parameters) | attention (RoPE)
+                                # | gpt2 (transformers' GPT2LMHeadModel: the race's baseline, benchmarks/race.py)
     d_model: int = 96
     n_layers: int = 2
     d_state: int = 16
@@ -38,7 +39,7 @@ class ModelConfig:
     a_constraint: bool = False  # after each optimizer step, project A <= -a_min (every exp(delta*A) < 1)
     a_min: float = 1e-4
     norm_eps: float = 1e-5      # RMSNorm epsilon (transformers' layer_norm_epsilon)
-    n_heads: int = 4            # model.arch=attention: heads (d_model / n_heads must be even, for the rotary pairs)
+    n_heads: int = 4            # model.arch=attention / gpt2: heads (attention: d_model / n_heads must be even)
 
     @property
     def d_inner(self) -> int:
@@ -254,6 +255,11 @@ class Config:
         _check(m.arch != "attention" or (m.n_heads > 0 and m.d_model % (2 * m.n_heads) == 0),
                f"model.n_heads ({m.n_heads}) must divide model.d_model ({m.d_model}) into heads of even "
                f"width (rotary positions rotate pairs)")
+        _check(m.arch != "gpt2" or (m.n_heads > 0 and m.d_model % m.n_heads == 0),
+               f"model.n_heads ({m.n_heads}) must divide model.d_model ({m.d_model})")
+        _check(m.arch != "gpt2" or not self.task.name,
+               "model.arch=gpt2 is the language-model race's baseline; a task trains mamba, lti or attention")
+        _check(m.arch != "gpt2" or t.precision != "int8", "train.precision=int8 needs a sonata model, not gpt2")
         _check(m.n_layers > 0, "model.n_layers must be positive")
         _check(m.d_state > 0, "model.d_state must be positive")
         _check(m.expand > 0, "model.expand must be positive")

@@ -16,7 +16,7 @@ from sonata import hf
 from sonata.config import Config
 from sonata.decode import Decoder, sample_next
 from sonata.errors import CheckpointError
-from sonata.model import MambaLM
+from sonata.model import MambaLM, build_model
 from sonata.tasks import make_task
 from sonata.vocab import Vocab
 
@@ -36,7 +36,7 @@ def load_model(path, device="cpu") -> tuple[MambaLM, Vocab | None, Config]:
         cfg = Config.from_dict(state["config"])
         vocab = Vocab.from_state_dict(state["vocab"]) if not cfg.task.name else None
         cfg.model.vocab_size = len(vocab) if vocab is not None else make_task(cfg.task).vocab_size
-        model = MambaLM(cfg.model).to(device)
+        model = build_model(cfg).to(device)
         model.load_state_dict(state["model"])
     except (KeyError, RuntimeError, TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path} is incomplete or does not match its config: "

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sonata.config import ModelConfig
+from sonata.config import Config, ModelConfig
 from sonata import decode
 from sonata.kernels import conv_silu, rms_norm, selective_scan
 from sonata.kernels.reference import project_delta, step as scan_step
@@ -366,6 +366,16 @@ class MambaLM(nn.Module):
                            generator: torch.Generator | None = None, stop_token: int | None = None):
         """`generate`'s oracle, token by token (`sonata.decode.generate_reference`)."""
         return decode.generate_reference(self, prompt, max_new_tokens, temperature, top_k, generator, stop_token)
+
+
+def build_model(cfg: Config) -> nn.Module:
+    """The model of a configuration (model.vocab_size set): a MambaLM (mamba, lti, attention
+    blocks), or for model.arch=gpt2 transformers' GPT-2 (`sonata.peers.GPT2LM`, context
+    data.seq_len), the race's baseline."""
+    if cfg.model.arch == "gpt2":
+        from sonata.peers import GPT2LM
+        return GPT2LM(cfg.model, cfg.data.seq_len)
+    return MambaLM(cfg.model)
 
 
 def param_groups(model: nn.Module, weight_decay: float):

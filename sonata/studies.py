@@ -137,6 +137,36 @@ SPEEDRUN = {
 }
 
 
+# The ten-minute race (benchmarks/race.py, issue 29): sonata against transformers' GPT-2 at
+# equal parameters (333,216 and 329,920), the same 2048-token vocabulary, data, context (128),
+# global batch (16) and time budget, all through sonata's trainer (the same sampler and seed:
+# the same batches). The GPT's learning rate is swept so the baseline is not a straw man;
+# AdamW betas (0.9, 0.95) as GPT-2 recipes use, weight decay 0.1 on matrices (both models).
+RACE_COMMON = {"data.vocab_size": 2048, "train.effective_batch": 16}
+GPT2_RACE = {"model.arch": "gpt2", "model.d_model": 80, "model.n_layers": 2, "model.n_heads": 4,
+             "train.beta2": 0.95}
+RACE = {
+    "sonata": {**RACE_COMMON, "train.lr": 6e-3},                       # make train's real-text defaults
+    "gpt2-lr1e-3": {**RACE_COMMON, **GPT2_RACE, "train.lr": 1e-3},
+    "gpt2-lr3e-3": {**RACE_COMMON, **GPT2_RACE, "train.lr": 3e-3},
+    "gpt2-lr6e-3": {**RACE_COMMON, **GPT2_RACE, "train.lr": 6e-3},
+}
+
+
+def race_conclusion(rows: list[dict]) -> str:
+    """Who won the race, by how much, at what speed, from its measured rows."""
+    ours = [r for r in rows if not r["configuration"].startswith("gpt2")]
+    gpts = [r for r in rows if r["configuration"].startswith("gpt2")]
+    if not ours or not gpts:
+        return "the race needs a sonata row and a gpt2 row"
+    a, b = min(ours, key=lambda r: r["val bpb"]), min(gpts, key=lambda r: r["val bpb"])
+    who = "sonata" if a["val bpb"] < b["val bpb"] else "GPT-2"
+    return (f"best sonata: {a['configuration']} {a['val bpb']:.4f} bits per byte ({a['params']:,} parameters, "
+            f"{a['tokens/s']:,} tokens/s); best GPT-2: {b['configuration']} {b['val bpb']:.4f} "
+            f"({b['params']:,} parameters, {b['tokens/s']:,} tokens/s): {who} wins by "
+            f"{abs(a['val bpb'] - b['val bpb']):.4f} bits per byte")
+
+
 def speedrun_source(data_source: str) -> tuple[str, str]:
     """The data.source for notebook 07's `data_source` and one line saying what it is:
     `tinystories` is $SONATA_TINYSTORIES or the hub, and the embedded corpus when

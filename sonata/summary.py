@@ -88,7 +88,7 @@ def int8_report(tr) -> dict:
         fp32 = tr.evaluate()
     finally:
         set_int8(tr.model, True)
-    q = type(tr.model)(tr.cfg.model).to(tr.device)
+    q = type(tr.model)(tr.cfg.model).to(tr.device)             # a MambaLM: int8 is sonata-only
     load_int8_state(q, int8_state(tr.model))
     set_int8(q, True)
     export = tr.evaluate(model=q)

@@ -34,7 +34,7 @@ from sonata.evaluate import EvalResult, evaluate_stream
 from sonata.leak import InjectedLeak, LeakDetector
 from sonata.memory import (MemoryBudgetExceeded, MemoryGuard, available_ram_bytes, device_total_bytes,
                            peak_memory_bytes, release_free_memory, steady_cpu_heap)
-from sonata.model import MambaLM
+from sonata.model import MambaLM, build_model
 from sonata.quant import set_int8
 from sonata.plan import Plan, plan_batch, resumed_inputs
 from sonata.progress import Progress
@@ -133,7 +133,7 @@ class Trainer:
         vocab_size = self.task.vocab_size if self.task else len(self.corpus.vocab)
         self.cfg = cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab_size))   # the caller's stays
         seed_everything(t.seed)
-        self.model = MambaLM(cfg.model).to(self.device)
+        self.model = build_model(cfg).to(self.device)
         set_int8(self.model, self.plan.precision == "int8")
         # micro-steps, clip, the optimizer step or its skip (AdamW, fp16's GradScaler)
         self.update = Updater(self.model, cfg, self.device, self.plan.precision, self.task, self.injected_leak)
