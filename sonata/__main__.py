@@ -334,12 +334,21 @@ def _dist():
 def _print_error(e: BaseException, agreed: bool = False) -> None:
     """One `error:` line. Data parallel: an error every rank raised (an agreed stop, bad
     input) is printed by rank 0 only; one that only this rank met names the rank (a
-    lost peer always: sonata.launch recognizes that line)."""
+    lost peer always)."""
     r = _dist().rank() if _dist() else 0
     if r and (agreed or getattr(e, "agreed", False)):
         return
     named = r or isinstance(e, WorkerLost)
-    print(f"error: {f'rank {r}: ' if named else ''}{e}", file=sys.stderr, flush=True)
+    _say(f"error: {f'rank {r}: ' if named else ''}{e}", r, lost_peer=isinstance(e, WorkerLost))
+
+
+def _say(line: str, rank: int, lost_peer: bool = False) -> None:
+    """A final `error:` line: printed, and reported to sonata's launcher when it started this
+    worker (sonata.launch); a line that only says a peer was lost is left to the launcher."""
+    from sonata import launch
+    launch.report(rank, line, lost_peer)
+    if not (lost_peer and launch.under_launcher()):
+        print(line, file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
@@ -364,8 +373,8 @@ def main(argv=None) -> int:
         if not (d and d.active() and d.is_comm_error(e)):
             raise
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        print(f"error: rank {d.rank()}: lost contact with another process of the run "
-              f"(it failed or stopped; its own message says why): {first}", file=sys.stderr, flush=True)
+        _say(f"error: rank {d.rank()}: lost contact with another process of the run "
+             f"(it failed or stopped; its own message says why): {first}", d.rank(), lost_peer=True)
         return EXIT_USAGE
     finally:
         if _dist():

@@ -3,14 +3,17 @@ elastic launcher, with sonata's exit contract (rank 0's output only, live; exit 
 `error:` line when a worker fails; restarts that resume from the survivors' checkpoint).
 The workers themselves are ordinary `python -m sonata` processes (sonata.distributed).
 
-What is left of reading text: the workers' stderr is tailed to the console, and the line
-sonata.__main__ prints for a lost peer (LOST_CONTACT) is held back, because the failing
-rank's own line says more. A structured channel (a status file per worker) would replace
-that match; not written yet.
+How the launcher learns what happened without reading the workers' text: each worker that
+ends with an `error:` line also writes it as a status file (`report`, STATUS_ENV names the
+folder), with its rank and whether it only lost contact with a peer. A worker that only lost
+a peer prints nothing under this launcher (the failing rank's own line says more); the
+launcher prints what the status files say is missing: the failing rank's line when rank 0
+had none of its own, else one naming the rank and its exit code.
 """
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import re
@@ -21,7 +24,39 @@ import time
 import uuid
 from pathlib import Path
 
-LOST_CONTACT = "error: rank 0: lost contact"     # sonata.__main__'s line for a failed collective
+STATUS_ENV = "SONATA_LAUNCH_STATUS"     # set for the workers: the folder of their status files
+
+
+def under_launcher() -> bool:
+    return bool(os.environ.get(STATUS_ENV))
+
+
+def report(rank: int, line: str, lost_peer: bool) -> None:
+    """A worker's final `error:` line for the launcher (nothing outside sonata's launcher)."""
+    folder = os.environ.get(STATUS_ENV)
+    if not folder:
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"rank{rank}-{os.getpid()}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"rank": rank, "line": line, "lost_peer": lost_peer, "time": time.time()}, f)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass                     # the launcher then says what it knows itself
+
+
+def _statuses(folder: str, since: float) -> list[dict]:
+    out = []
+    for path in glob.glob(os.path.join(folder, "rank*.json")):
+        try:
+            with open(path) as f:
+                st = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if st.get("time", 0) >= since:
+            out.append(st)
+    return sorted(out, key=lambda st: st["time"])
 
 
 def _quiet_elastic_logs() -> None:
@@ -37,8 +72,6 @@ class _Tail(threading.Thread):
         super().__init__(daemon=True)
         self.pattern, self.dst = pattern, dst
         self.done = threading.Event()
-        self.error_lines: list[str] = []
-        self.held: list[str] = []      # "lost contact" lines: the failing rank's own line is better
 
     def _attempts(self) -> list[str]:
         """This stream's log of each attempt (a restart starts attempt_N+1), in order."""
@@ -78,11 +111,6 @@ class _Tail(threading.Thread):
                     time.sleep(0.05)
 
     def _emit(self, line: str):
-        if line.startswith(LOST_CONTACT):
-            self.held.append(line.rstrip("\n"))
-            return
-        if line.startswith("error:"):
-            self.error_lines.append(line.rstrip("\n"))
         self.dst.write(line)
         self.dst.flush()
 
@@ -118,6 +146,9 @@ def launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
              _Tail(os.path.join(base, "stderr.log"), sys.stderr)]
     for t in tails:
         t.start()
+    status_dir = os.path.join(log_dir, "status")
+    saved_env = os.environ.get(STATUS_ENV)
+    os.environ[STATUS_ENV] = status_dir                 # the workers inherit it
     failure = None
     try:
         elastic_launch(config, sys.executable)("-m", "sonata", *argv)
@@ -126,6 +157,10 @@ def launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     except (KeyboardInterrupt, SignalException) as e:   # the agent stops the workers itself
         failure = e
     finally:
+        if saved_env is None:
+            os.environ.pop(STATUS_ENV, None)
+        else:
+            os.environ[STATUS_ENV] = saved_env
         for t in tails:
             t.done.set()
         for t in tails:
@@ -133,30 +168,24 @@ def launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     if failure is None:
         _rmtree(log_dir)
         return 0
+    statuses = _statuses(status_dir, started)
+    said = [st for st in statuses if st["rank"] == 0 and not st["lost_peer"]]     # rank 0's own line, shown
     if isinstance(failure, (KeyboardInterrupt, SignalException)):
         sig = getattr(failure, "sigval", None)
-        if not tails[1].error_lines:
+        if not said:
             print(f"error: interrupted{f' by {sig.name}' if sig else ''}; the workers were stopped "
                   f"(their output: {log_dir})", file=sys.stderr)
         return 128 + (int(sig) if sig else 2)
     first_rank, first = failure.get_first_failure()
     code = first.exitcode
-    if not tails[1].error_lines:       # rank 0 said nothing: say what the failing rank said
-        line = None
-        for r, f in sorted(failure.failures.items(), key=lambda kv: (kv[0] != first_rank, kv[0])):
-            for path in glob.glob(os.path.join(log_dir, f"{run_id}*", "attempt_*", str(f.local_rank),
-                                               "stderr.log")):
-                errs = [ln for ln in Path(path).read_text(errors="replace").splitlines()
-                        if ln.startswith("error:") and " lost contact " not in ln]
-                if errs:
-                    line = errs[0]
-                    break
-            if line:
-                break
+    if not said:       # rank 0 said nothing of its own: say what the failing rank said
+        own = [st for st in statuses if not st["lost_peer"]]
+        own.sort(key=lambda st: (st["rank"] != first_rank, st["time"]))
+        line = own[0]["line"] if own else None
         if line is None:
             how = (f"was killed by signal {-code}" if code is not None and code < 0
                    else f"failed with exit code {code}")
-            lost = " (the other ranks lost contact with it)" if tails[1].held else ""
+            lost = " (the other ranks lost contact with it)" if any(st["lost_peer"] for st in statuses) else ""
             line = f"error: worker rank {first_rank} {how}{lost}; the workers' output is in {log_dir}"
             saved = Path(argv[argv.index("--out") + 1]) / "checkpoint.pt" if "--out" in argv else None
             if lost and saved and saved.exists() and saved.stat().st_mtime >= started:
