@@ -55,10 +55,9 @@ SMALL_DT = {"model.dt_min": 1e-9, "model.dt_max": 1e-4, "model.dt_init_floor": 1
 # the shorter ones cannot see it: the noise of 2^k tokens). data.seq_len 256 is the
 # validation length (the paper's training length).
 INDUCTION_CURRICULUM = "64:12000,256:3000,1024:1000,4096"
-# The second phase (notebook 08): the first phase's model trained on from its weights on
-# sequences of 16,384 to 131,072 tokens, 4 per step (a step of 4 x 131,072 tokens keeps
-# about 2.3 GiB of activations for the backward; warm-up 10 steps of a few hundred).
-LONG_CURRICULUM = "16384:200,32768:100,131072"
+# The second phase (notebook 08's long_curriculum and long_steps): the first phase's model
+# trained on from its weights on sequences of 16,384 to 131,072 tokens, 4 per step (a step of
+# 4 x 131,072 tokens keeps about 2.3 GiB of activations for the backward; warm-up 10 steps).
 LONG = {"train.micro_batch": 4, "train.effective_batch": 4, "train.warmup_steps": 10}
 RECIPES = {
     ("induction", "mamba"): {"task.name": "induction", "data.seq_len": 256,
