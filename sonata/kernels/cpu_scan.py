@@ -1,13 +1,9 @@
 """Fused numba CPU kernels for the selective scan: forward and hand-written backward.
 (The torch glue that calls them is `sonata.kernels.cpu`; the shared maths `cpu_simd`.)
 
-Semantics are exactly those of `selective_scan_ref` (sonata/kernels/reference.py):
-
-    dt_t = softplus(delta_t + delta_bias)   (bias and softplus optional)
-    a_t  = exp(dt_t * A)                                  # (N,) per channel
-    h_t  = a_t * h_{t-1} + dt_t * u_t * B_t               # h_{-1} = initial state, or 0
-    y_t  = C_t . h_t + D * u_t
-    out  = y * silu(z)                                    (z optional)
+Semantics are exactly those of `selective_scan_ref` (sonata/kernels/reference.py): the
+recurrence h_t = exp(dt_t A) h_{t-1} + dt_t u_t B_t, y_t = C_t . h_t + D u_t, gated by
+silu(z), written out with its backward in docs/kernels.md.
 
 Layout: channels in lanes. B_t and C_t are shared by all channels of a sequence,
 so the kernels work on blocks of W consecutive channels of one sequence (W = 16 with AVX2,

@@ -1,12 +1,8 @@
 """Fused Triton kernels for the selective scan: forward and backward.
 
-Semantics are exactly those of `selective_scan_ref` (sonata/kernels/reference.py):
-
-    dt_t = softplus(delta_t + delta_bias)   (bias and softplus optional)
-    a_t  = exp(dt_t * A)                                  # (N,) per channel
-    h_t  = a_t * h_{t-1} + dt_t * u_t * B_t               # h_{-1} = initial state, or 0
-    y_t  = C_t . h_t + D * u_t
-    out  = y * silu(z)                                    (z optional)
+Semantics are exactly those of `selective_scan_ref` (sonata/kernels/reference.py): the
+recurrence h_t = exp(dt_t A) h_{t-1} + dt_t u_t B_t, y_t = C_t . h_t + D u_t, gated by
+silu(z), written out with its backward in docs/kernels.md.
 
 Layout and grid. Inputs are made contiguous: u, delta, z, out (batch, d_inner, L);
 A (d_inner, N); B, C (batch, N, L). One program per (sequence, block of BLOCK_D
