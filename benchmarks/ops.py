@@ -48,14 +48,15 @@ def _scan_inputs(b, d, n, L, groups=0, seed=0):
 
 
 def _timed(fn, inp, backward, repeat):
-    leaves = {k: v.clone().requires_grad_(backward) for k, v in inp.items()}
+    leaves = {k: v if v is None else v.clone().requires_grad_(backward) for k, v in inp.items()}
 
     def call():
         out = fn(**leaves)
         if backward:
             out.backward(torch.ones_like(out))
             for v in leaves.values():
-                v.grad = None
+                if v is not None:
+                    v.grad = None
         return out
     with torch.set_grad_enabled(backward):
         return median_time(call, warmup=1, repeat=repeat)
