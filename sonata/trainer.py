@@ -32,8 +32,8 @@ from sonata.device import check_precision, resolve_device, sync
 from sonata.errors import CheckpointError
 from sonata.evaluate import EvalResult, evaluate_stream
 from sonata.leak import InjectedLeak, LeakDetector
-from sonata.memory import (MemoryBudgetExceeded, MemoryGuard, available_ram_bytes, device_total_bytes,
-                           peak_memory_bytes, release_free_memory, steady_cpu_heap)
+from sonata.memory import (MemoryBudgetExceeded, MemoryGuard, available_ram_bytes, current_bytes,
+                           device_total_bytes, peak_memory_bytes, release_free_memory, steady_cpu_heap)
 from sonata.model import MambaLM, build_model
 from sonata.quant import set_int8
 from sonata.plan import Plan, plan_batch, resumed_inputs
@@ -440,7 +440,9 @@ class Trainer:
             with self.guard.watch(self.step, self._agree if self.world > 1 else None) as watch:
                 row = self._last_row = self.train_step()   # the same dict gains its fields below
         except MemoryBudgetExceeded:
-            if row is not None:          # the step completed; the check after it tripped: it counts
+            if row is not None:          # the step completed; the check after it tripped: it counts,
+                row["mem_bytes"] = current_bytes(self.device)        # with its readings like any row
+                row["step_peak_bytes"] = self.guard.peak_last
                 sch.count(row["step_s"], row, progress)
             raise
         row["mem_bytes"], row["step_peak_bytes"] = watch.mem_bytes, watch.peak

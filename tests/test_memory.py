@@ -219,3 +219,25 @@ def test_steady_cpu_heap_keeps_freed_blocks_for_the_next_step():
         step()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     assert faults < 5 * 8192 // 10, faults
+
+
+def test_a_step_the_check_after_it_trips_is_logged_with_its_memory(tmp_path):
+    """A guard that trips in its check after a step (the step completed: it counts and is
+    logged) gives that row the same readings as every other row: notebook 03 plots
+    mem_bytes of every row, and once failed on the tripped one (KeyError)."""
+    tr = Trainer(make_config(tiny_overrides(**{"train.max_steps": 6})), tmp_path, progress="none")
+    real = tr.guard.after_step
+
+    def after(step, hint=""):
+        now = real(step, hint)
+        if step == 3:
+            tr.guard._trip("step 3 peaked (a test)", tr.guard.peak_last, "")
+        return now
+    tr.guard.after_step = after
+    with pytest.raises(MemoryBudgetExceeded):
+        tr.run()
+    assert [r["step"] for r in tr.history] == [1, 2, 3]
+    assert all(r["mem_bytes"] > 0 and r["step_peak_bytes"] > 0 for r in tr.history)
+    rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 3 and rows[-1]["mem_bytes"] > 0
+
