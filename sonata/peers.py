@@ -49,7 +49,8 @@ class GPT2LM(torch.nn.Module):
         self.cfg = cfg
         conf = transformers.GPT2Config(vocab_size=cfg.vocab_size, n_positions=n_positions, n_embd=cfg.d_model,
                                        n_layer=cfg.n_layers, n_head=cfg.n_heads, resid_pdrop=0.0, embd_pdrop=0.0,
-                                       attn_pdrop=0.0, layer_norm_epsilon=cfg.norm_eps, tie_word_embeddings=True)
+                                       attn_pdrop=0.0, layer_norm_epsilon=cfg.norm_eps, tie_word_embeddings=True,
+                                       bos_token_id=None, eos_token_id=None)   # no 50256 outside the vocabulary
         self.gpt = transformers.GPT2LMHeadModel(conf)
 
     def forward(self, idx, state=None, return_state: bool = False):
