@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py [--models cpu peer-free] [--batches 8 32] [--steps 10]
                                       [--top 15] [--threads 2]
+    python benchmarks/profile_step.py --race [sonata sonata-bf16 gpt2-lr6e-3 ...]
 
 Seed configuration (d_model 96, 2 layers, d_state 16, L 128, vocabulary 512, fp32),
 one step = forward, cross-entropy, backward, AdamW step (PyTorch's fused AdamW, as the
@@ -12,12 +13,20 @@ stand-in of `sonata.peers.free_scan`), `mambapy` (the peer) and `peer-free` (the
 with the same stand-in: the scan-free peer). Per model and micro-batch: the operators
 with the most self CPU time (their share of the step, calls per step), then the share
 of matrix multiplies (aten::mm, aten::addmm, aten::bmm) and the layout copies per step.
+
+--race: the ten-minute race's models instead (sonata.studies.RACE: vocabulary 2048, global
+batch 16, each at its own precision and context; `sonata.studies.race_step`), and per model
+the step's wall time split into matrix multiplies, sonata's fused kernels (the autograd
+Functions of the scan, conv, norm and loss kernels), the other PyTorch operators, and the
+rest (Python and what the profiler does not see). The profiler's own cost per operator
+makes every step slower than in the race: compare the shares, not the speeds.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -26,7 +35,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import hardware_line, print_table  # noqa: E402
 
 from sonata.memory import steady_cpu_heap  # noqa: E402
-from sonata.studies import STEP_SEED, STEP_SEQ_LEN, step_model, train_step  # noqa: E402
+from sonata.studies import RACE, STEP_SEED, STEP_SEQ_LEN, race_step, step_model, train_step  # noqa: E402
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 
@@ -47,6 +56,45 @@ def profile_model(name: str, batch: int, steps: int, warmup: int):
     return rows, sum(r[1] for r in rows)
 
 
+def profile_race(name: str, steps: int, warmup: int):
+    """-> (operator rows as profile_model's, their total self CPU us, wall us of the steps,
+    tokens per step) for race configuration `name`."""
+    step, tokens = race_step(name)
+    for _ in range(warmup):
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        wall = (time.perf_counter() - t0) * 1e6
+    rows = sorted(((e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()), key=lambda r: -r[1])
+    return rows, sum(r[1] for r in rows), wall, tokens
+
+
+def _fused(op: str) -> bool:
+    """sonata's fused kernels as the profiler names them: their autograd Functions
+    (SelectiveScanFn, CrossEntropyFn, ... and their backwards)."""
+    return op.endswith("Fn") or op.endswith("FnBackward")
+
+
+def race_split(names, steps: int, warmup: int) -> None:
+    """Print the race models' step split: matmuls, sonata's fused kernels, the other
+    PyTorch operators, and the rest (Python and whatever the profiler does not see)."""
+    table = []
+    for name in names:
+        rows, ops, wall, tokens = profile_race(name, steps, warmup)
+        mm = sum(us for op, us, _ in rows if op in MATMULS)
+        fused = sum(us for op, us, _ in rows if _fused(op))
+        rest = max(wall - ops, 0.0)
+        top = [op for op, _, _ in rows if op not in MATMULS and not _fused(op)][:3]
+        table.append([name, f"{wall / 1e3 / steps:.1f}", f"{tokens * steps / (wall / 1e6):,.0f}",
+                      f"{100 * mm / wall:.0f}%", f"{100 * fused / wall:.0f}%", f"{100 * (ops - mm - fused) / wall:.0f}%",
+                      f"{100 * rest / wall:.0f}%", ", ".join(top)])
+    print_table(["model", "ms/step", "tokens/s", "matmuls", "fused kernels", "other operators", "rest",
+                 "largest other operators"], table,
+                title=f"the race's models: one step of 2,048 tokens, {steps} steps under the profiler")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["cpu", "peer-free"])
@@ -55,10 +103,15 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--race", nargs="*", choices=list(RACE), default=None, metavar="NAME",
+                    help="profile the race's models instead (no names: all of sonata.studies.RACE)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     steady_cpu_heap()             # as sonata's trainer runs; every model profiled with it alike
     print(hardware_line("cpu"))
+    if args.race is not None:
+        race_split(args.race or list(RACE), args.steps, args.warmup)
+        return
     summary = []
     for batch in args.batches:
         for name in args.models:

@@ -29,6 +29,7 @@ def main(argv=None):
     ap.add_argument("--configs", nargs="+", default=list(RACE), choices=list(RACE))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--curve-points", type=int, default=4)
+    ap.add_argument("--out-dir", default=None, help="keep each run's folder (checkpoint.pt, metrics.jsonl) here")
     args = ap.parse_args(argv)
     if args.budget_s <= 0:
         ap.error("--budget-s must be positive")
@@ -36,7 +37,7 @@ def main(argv=None):
     source, note = speedrun_source("tinystories")
     print(hardware_line("cpu"))
     result = speedrun(args.configs, args.budget_s, source, curve_points=args.curve_points, seed=args.seed,
-                      progress="none", configs=RACE)
+                      out_dir=args.out_dir, progress="none", configs=RACE)
     print_table(list(result.rows[0]), [list(r.values()) for r in result.rows],
                 title=f"the race: {args.budget_s:g} s of training per configuration")
     print(note)

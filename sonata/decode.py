@@ -257,26 +257,34 @@ def Decoder(model: "MambaLM", batch: int, fused: bool | None = None) -> _Decoder
 
 @torch.inference_mode()
 def generate(model: "MambaLM", prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-             generator: torch.Generator | None = None, stop_token: int | None = None) -> torch.Tensor:
+             generator: torch.Generator | None = None, stop_token=None, pad: int | None = None) -> torch.Tensor:
     """Sampling (greedy at temperature <= 0): prompt (b, T) int64 -> (b, T + new) ids; stops
-    early once every row has produced `stop_token`. The prompt is consumed in one parallel
-    pass, then a `Decoder` steps with preallocated buffers (`generate_reference` is the
-    token-by-token original it is tested against)."""
+    early once every row has produced a stop token (`stop_token`: an id or a list of ids).
+    With `pad`, a row that has stopped gets `pad` in its later columns (transformers' rule
+    for eos and pad_token_id); without, it keeps sampling until every row has stopped. The
+    prompt is consumed in one parallel pass, then a `Decoder` steps with preallocated
+    buffers (`generate_reference` is the token-by-token original it is tested against)."""
     dec = Decoder(model, prompt.shape[0])
     b, T = prompt.shape
     out = torch.empty(b, T + max_new_tokens, dtype=torch.long, device=prompt.device)
     out[:, :T] = prompt
     logits = dec.prefill(prompt)
-    done = torch.zeros(b, dtype=torch.bool, device=prompt.device) if stop_token is not None else None
+    stops = None
+    if stop_token is not None and not (isinstance(stop_token, (list, tuple)) and not stop_token):
+        stops = torch.tensor(stop_token if isinstance(stop_token, (list, tuple)) else [stop_token],
+                             dtype=torch.long, device=prompt.device)
+    running = torch.ones(b, dtype=torch.bool, device=prompt.device)
     n = 0
     with dec.threads():
         for i in range(max_new_tokens):
             nxt = out[:, T + i]
             sample_next(logits, temperature, top_k, generator, out=nxt)
             n = i + 1
-            if done is not None:
-                done |= nxt == stop_token
-                if bool(done.all()):
+            if stops is not None:
+                if pad is not None:
+                    nxt.masked_fill_(~running, pad)
+                running &= ~torch.isin(nxt, stops)
+                if not bool(running.any()):
                     break
             if i + 1 < max_new_tokens:
                 logits = dec._step(nxt)       # already inside inference mode and dec.threads()

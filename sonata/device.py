@@ -1,9 +1,11 @@
 """Device, precision and synchronization: which device a run uses, whether a
-precision mode can run there, the autocast context for it, and `sync` (wait for
-the device, so a clock read after it measures work done, not work queued)."""
+precision mode can run there (and whether this CPU multiplies bf16 natively), the
+autocast context for it, and `sync` (wait for the device, so a clock read after it
+measures work done, not work queued)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -22,6 +24,20 @@ def sync(device) -> None:
     """Wait until the device has finished its queued work (a no-op on the CPU)."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_bf16_native(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has bf16 matrix instructions (x86 AVX-512 BF16 or AMX-BF16, from the
+    kernel's CPU flags): there bf16 autocast makes the matrix multiplies of a small model
+    faster; elsewhere PyTorch emulates bf16 and it is slower than fp32. False where the
+    flags cannot be read (not Linux)."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def autocast_for(precision: str, device: torch.device):

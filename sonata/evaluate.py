@@ -25,6 +25,7 @@ class EvalResult:
     bpb: float        # bits per UTF-8 byte
     tokens: int
     bytes: int
+    position_loss: tuple = ()   # by_position: nats per token at each position of the window (0 = first)
 
     def fields(self) -> dict:
         """What a metrics row and the summary report."""
@@ -33,22 +34,33 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate_stream(model, stream: torch.Tensor, byte_len: torch.Tensor, seq_len: int, batch: int,
-                    max_tokens: int = 0, precision: str = "fp32", shard: tuple[int, int] = (0, 1)) -> EvalResult:
+                    max_tokens: int = 0, precision: str = "fp32", shard: tuple[int, int] = (0, 1),
+                    by_position: bool = False) -> EvalResult:
     """`byte_len[t]`: UTF-8 bytes of token t. `shard=(rank, world)`: this rank evaluates
-    every world-th batch and the sums are all-reduced (every rank gets the total)."""
+    every world-th batch and the sums are all-reduced (every rank gets the total).
+    `by_position`: also the loss at each position of the window (`position_loss`: does a
+    model lose early in its context, late, or uniformly?); one process only."""
+    if by_position and shard[1] > 1:
+        raise ValueError("by_position is computed in one process")
     rank, world = shard
     device = stream.device
     was_training = model.training
     model.eval()
     nats = torch.zeros((), dtype=torch.float64, device=device)
+    at_pos = torch.zeros(seq_len, dtype=torch.float64, device=device)
+    rows_at_pos = torch.zeros(seq_len, dtype=torch.float64, device=device)
     n_tok = n_bytes = 0
     for i, (x, y) in enumerate(val_batches(stream, seq_len, batch, max_tokens)):
         if world > 1 and i % world != rank:
             continue
         with autocast_for(precision, device):
             logits = model(x)                                               # (b, L, V)
-        nats += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
-                                reduction="sum").double()
+        per_token = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                    reduction="none").double()
+        nats += per_token.sum()
+        if by_position:                                                      # the last window may be shorter
+            at_pos[:y.shape[1]] += per_token.view(y.shape).sum(0)
+            rows_at_pos[:y.shape[1]] += y.shape[0]
         n_tok += y.numel()
         n_bytes += int(byte_len[y].sum())
     model.train(was_training)
@@ -56,8 +68,9 @@ def evaluate_stream(model, stream: torch.Tensor, byte_len: torch.Tensor, seq_len
     if world > 1:
         total, n_tok, n_bytes = distributed.all_reduce_sum([total, n_tok, n_bytes])
         n_tok, n_bytes = int(n_tok), int(n_bytes)
+    positions = tuple((at_pos / rows_at_pos.clamp(min=1)).tolist()) if by_position else ()
     return EvalResult(loss=total / max(n_tok, 1), bpb=total / (math.log(2) * max(n_bytes, 1)),
-                      tokens=n_tok, bytes=n_bytes)
+                      tokens=n_tok, bytes=n_bytes, position_loss=positions)
 
 
 @dataclass

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sonata.decode import Decoder, sample_next
+from sonata.decode import generate
 from sonata.errors import SonataError
 from sonata.hf import config_from_hf, sonata_state_dict
 from sonata.kernels import selective_scan
@@ -215,31 +215,11 @@ def _generate(self, inputs=None, generation_config=None, **kwargs):
 
 @torch.inference_mode()
 def decode(lm: MambaLM, plan: Plan) -> torch.Tensor:
-    """transformers' greedy / multinomial decoding loop on sonata's Decoder -> (b, T + n) ids."""
-    ids = plan.input_ids
-    b, T = ids.shape
-    dec = Decoder(lm, b)
-    out = torch.empty(b, T + plan.new_tokens, dtype=torch.long)
-    out[:, :T] = ids
-    logits = dec.prefill(ids)
-    eos = torch.tensor(plan.eos, dtype=torch.long) if plan.eos else None
-    unfinished = torch.ones(b, dtype=torch.bool)
+    """transformers' greedy / multinomial decoding (eos ids, finished rows padded) on sonata's
+    generation loop (`sonata.decode.generate`) -> (b, T + n) ids."""
     temperature, top_k = (plan.temperature, plan.top_k) if plan.sample else (0.0, 0)
-    n = 0
-    with dec.threads():
-        for i in range(plan.new_tokens):
-            nxt = out[:, T + i]
-            sample_next(logits, temperature, top_k, None, out=nxt)
-            n = i + 1
-            if eos is not None:
-                if plan.pad is not None:
-                    nxt.masked_fill_(~unfinished, plan.pad)
-                unfinished &= ~torch.isin(nxt, eos)
-                if not bool(unfinished.any()):
-                    break
-            if n < plan.new_tokens:
-                logits = dec.step(nxt)
-    return out[:, :T + n].clone() if n < plan.new_tokens else out
+    out = generate(lm, plan.input_ids, plan.new_tokens, temperature, top_k, None, stop_token=plan.eos, pad=plan.pad)
+    return out.clone()          # a plain tensor, as transformers returns (generate's is an inference tensor)
 
 
 __all__ = ["accelerate", "is_accelerated", "plain_generation", "sonata_lm", "decode", "Plan"]

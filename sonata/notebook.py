@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from sonata.config import PRESETS, make_config, parse_curriculum
+from sonata.config import PRESETS, TRAIN_DEFAULTS, make_config, parse_curriculum
 from sonata.errors import ConfigError, SonataError
 from sonata.generate import load_text_model, stream_text
-from sonata.studies import SPEEDRUN
+from sonata.studies import STUDY07
 from sonata.trainer import Trainer
 
 
@@ -148,8 +148,9 @@ RANGES = {
     },
     "01_train_tinystories": {
         "data_source": Text(), **MODEL, "vocab_size": Range(258, 65536, zero=True),   # 0: the data's default
+        "seq_len": Range(1, 8192, zero=True),
         "max_steps": Range(1, 1_000_000, zero=True), "max_seconds": Range(1, 86_400, float, zero=True),
-        "micro_batch": Range(0, 32), "effective_batch": Range(1, 4096), "lr": Range(1e-6, 1.0, float, zero=True),
+        "micro_batch": Range(0, 32), "effective_batch": Range(1, 4096, zero=True), "lr": Range(1e-6, 1.0, float, zero=True),
         "warmup_steps": Range(0, 1_000_000), "eval_every": Range(0, 1_000_000), "seed": SEED,
         "backend": OneOf("auto", "reference", "cpu", "triton"), "threads": THREADS,
         "n_samples": Range(0, 20), "sample_tokens": Range(1, 4096), "out_dir": Text(),
@@ -184,7 +185,7 @@ RANGES = {
     },
     "07_ten_minute_speedrun": {
         "budget_s": Range(1, 7200, float), "data_source": OneOf("embedded", "tinystories"),
-        "configs": ListOf(OneOf(*SPEEDRUN), 1, len(SPEEDRUN)), "curve_points": Range(1, 100),
+        "configs": ListOf(OneOf(*STUDY07), 1, len(STUDY07)), "curve_points": Range(1, 100),
         "seed": SEED, "out_dir": Text(),
     },
     "08_selection": {
@@ -203,9 +204,11 @@ RANGES = {
 # Rules joining two parameters: (names, holds(*values), the line when it does not)
 RULES = {
     "01_train_tinystories": [
-        (("micro_batch", "effective_batch"), lambda mb, eff: mb == 0 or eff % mb == 0,
+        (("micro_batch", "effective_batch", "data_source"),
+         lambda mb, eff, src: mb == 0 or (eff or _default_batch(src)) % mb == 0,
          "parameter micro_batch = {micro_batch} does not divide effective_batch = {effective_batch} "
-         "(0, or a divisor of effective_batch)")],
+         "(0, or a divisor of effective_batch; effective_batch 0 is the data's: 16 on the embedded "
+         "corpus, 4 on real text)")],
     "02_autotuning": [
         (("candidates", "effective_batch", "profile"),
          lambda cs, eff, prof: any(eff % int(c) == 0 and int(c) <= _cap(prof) for c in cs.split(",")),
@@ -215,6 +218,11 @@ RULES = {
          "parameter scaling_processes = {scaling_processes!r} has a process count that does not divide "
          "effective_batch = {effective_batch} (each process trains effective_batch / processes sequences)")],
 }
+
+
+def _default_batch(data_source: str) -> int:
+    """Notebook 01's effective batch when its parameter is 0: the data's (TRAIN_DEFAULTS)."""
+    return TRAIN_DEFAULTS["embedded" if data_source == "embedded" else "real"]["train.effective_batch"]
 
 
 def _cap(profile: str) -> int:

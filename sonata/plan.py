@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import asdict, dataclass, replace
 
+from sonata.device import cpu_bf16_native
 from sonata.errors import ConfigError
 
 
@@ -42,12 +43,21 @@ class Plan:
         return replace(self, effective_batch=per, world_size=1, accumulation=per // self.micro_batch)
 
 
+def resolve_precision(precision: str, profile) -> str:
+    """train.precision as it runs: `auto` is the profile's precision; `fast` is bf16 under
+    the cpu profile on a CPU that multiplies bf16 natively (AVX-512 BF16, AMX), else the
+    profile's; any other value is itself."""
+    if precision == "fast":
+        return "bf16" if profile.name == "cpu" and cpu_bf16_native() else profile.precision
+    return profile.precision if precision == "auto" else precision
+
+
 def plan_batch(t, profile, world: int = 1) -> Plan:
     """The plan before any autotuning, from train.* and the profile. The effective batch
     is global: with `world` processes each trains on effective / world sequences, which
     the micro-batch must divide. Raises ConfigError for a micro-batch above the cap or a
     batch that does not split."""
-    precision = profile.precision if t.precision == "auto" else t.precision
+    precision = resolve_precision(t.precision, profile)
     eff = t.effective_batch or profile.effective_batch
     if eff % world:
         raise ConfigError(f"train.effective_batch ({eff}) is the global batch and must be a "

@@ -9,6 +9,7 @@ import matplotlib
 if matplotlib.get_backend().lower() == "agg" or not matplotlib.get_backend():
     matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 
 from sonata.progress import in_jupyter_kernel  # noqa: E402
 
@@ -212,6 +213,26 @@ def bpb_against_time(curves: dict, title: str = "validation bits per byte"):
             ax.plot(*zip(*points), "o-", ms=3, label=name)
     ax.set_xlabel("training seconds (evaluation excluded)")
     ax.set_ylabel("validation bits per byte")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def loss_by_position(positions: dict, title: str = "validation loss by position in the window"):
+    """Validation loss (nats per token) against the token's position in its window, one
+    line per named run (notebook 07); `positions[name]` is the loss at positions 0, 1, ...
+    (a moving average over 8 positions, so the curve is readable)."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, losses in positions.items():
+        if len(losses):
+            k = min(8, len(losses))
+            smooth = np.convolve(np.asarray(losses, dtype=float), np.ones(k) / k, mode="valid")
+            ax.plot(np.arange(len(smooth)) + (k - 1) / 2, smooth, lw=1.5, label=name)
+    ax.set_xscale("symlog", linthresh=8)
+    ax.set_xlabel("position in the window (tokens of context before the prediction)")
+    ax.set_ylabel("validation loss, nats per token")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)

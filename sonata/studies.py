@@ -142,15 +142,35 @@ SPEEDRUN = {
 # global batch (16) and time budget, all through sonata's trainer (the same sampler and seed:
 # the same batches). The GPT's learning rate is swept so the baseline is not a straw man;
 # AdamW betas (0.9, 0.95) as GPT-2 recipes use, weight decay 0.1 on matrices (both models).
+# sonata's levers: bf16 (the precision AVX-512 BF16 / AMX hosts multiply natively), a
+# 256-token context at 8 sequences per step (the same 2,048 tokens per step; a Mamba's cost
+# is linear in the context), and 512 at 4; weight decay 0.3 (the runs see the sample 50-80
+# times). sonata's best, sonata-bf16-ctx512-wd0.3, is make train's real-text default
+# (sonata.config.TRAIN_DEFAULTS, with train.precision=fast: bf16 only where it is native).
 RACE_COMMON = {"data.vocab_size": 2048, "train.effective_batch": 16}
 GPT2_RACE = {"model.arch": "gpt2", "model.d_model": 80, "model.n_layers": 2, "model.n_heads": 4,
              "train.beta2": 0.95}
 RACE = {
-    "sonata": {**RACE_COMMON, "train.lr": 6e-3},                       # make train's real-text defaults
-    "gpt2-lr1e-3": {**RACE_COMMON, **GPT2_RACE, "train.lr": 1e-3},
+    "sonata": {**RACE_COMMON, "train.lr": 6e-3},                       # the real-text defaults before issue 29
+    "sonata-bf16": {**RACE_COMMON, "train.lr": 6e-3, "train.precision": "bf16"},
+    "sonata-ctx256": {**RACE_COMMON, "train.lr": 6e-3, "data.seq_len": 256,
+                      "train.effective_batch": 8},                     # the same tokens per step
+    "sonata-bf16-ctx256": {**RACE_COMMON, "train.lr": 6e-3, "train.precision": "bf16",
+                           "data.seq_len": 256, "train.effective_batch": 8},
+    "sonata-bf16-ctx256-wd0.3": {**RACE_COMMON, "train.lr": 6e-3, "train.precision": "bf16",
+                                 "data.seq_len": 256, "train.effective_batch": 8, "train.weight_decay": 0.3},
+    "sonata-bf16-ctx512": {**RACE_COMMON, "train.lr": 6e-3, "train.precision": "bf16",
+                           "data.seq_len": 512, "train.effective_batch": 4},
+    "sonata-bf16-ctx512-wd0.3": {**RACE_COMMON, "train.lr": 6e-3, "train.precision": "bf16",
+                                 "data.seq_len": 512, "train.effective_batch": 4, "train.weight_decay": 0.3},
     "gpt2-lr3e-3": {**RACE_COMMON, **GPT2_RACE, "train.lr": 3e-3},
     "gpt2-lr6e-3": {**RACE_COMMON, **GPT2_RACE, "train.lr": 6e-3},
+    "gpt2-lr1e-2": {**RACE_COMMON, **GPT2_RACE, "train.lr": 1e-2},
+    "gpt2-lr6e-3-wd0.3": {**RACE_COMMON, **GPT2_RACE, "train.lr": 6e-3, "train.weight_decay": 0.3},
 }
+
+
+STUDY07 = {**SPEEDRUN, **RACE}      # every configuration notebook 07 can run, by name
 
 
 def race_conclusion(rows: list[dict]) -> str:
@@ -186,6 +206,7 @@ def speedrun_source(data_source: str) -> tuple[str, str]:
 class Speedrun:
     rows: list = field(default_factory=list)      # one per configuration (the table)
     curves: dict = field(default_factory=dict)    # name -> [(training seconds, validation bpb)]
+    positions: dict = field(default_factory=dict)  # name -> validation loss (nats/token) at each window position
 
 
 def speedrun(names, budget_s: float, source: str = "embedded", curve_points: int = 8, seed: int = 0,
@@ -199,7 +220,8 @@ def speedrun(names, budget_s: float, source: str = "embedded", curve_points: int
     (tokens over training seconds), steps, epochs (tokens trained / tokens in the
     training stream), training bits per byte (the start of the training stream, as
     many tokens as the validation split), validation bits per byte and the gap between
-    them. With `out_dir`, each run writes its folder `out_dir/<name>` (metrics.jsonl,
+    them; `positions[name]`: the final validation loss at each position of the window
+    (`position_table`). With `out_dir`, each run writes its folder `out_dir/<name>` (metrics.jsonl,
     checkpoint.pt, summary.json)."""
     configs = SPEEDRUN if configs is None else configs
     result = Speedrun()
@@ -222,6 +244,7 @@ def speedrun(names, budget_s: float, source: str = "embedded", curve_points: int
         s = trainer.run(on_step=validate_on_time)
         points.append((s["train_seconds"], s["val_bpb"]))
         train = trainer.evaluate(max_tokens=s["val_tokens"], split="train")
+        result.positions[name] = trainer.evaluate(by_position=True).position_loss
         result.curves[name] = points
         result.rows.append({
             "configuration": name,
@@ -234,6 +257,26 @@ def speedrun(names, budget_s: float, source: str = "embedded", curve_points: int
         del trainer
         gc.collect()
     return result
+
+
+POSITION_SPANS = ((0, 8), (8, 32), (32, 128), (128, 256), (256, 512))
+
+
+def position_table(positions: dict) -> list[dict]:
+    """One row per run: its mean validation loss (nats per token) over spans of window
+    positions (the first 8 tokens of a window, 8-31, 32-127, ...; a span past a run's
+    window is blank), so a model that loses early in its context, late, or uniformly shows
+    which. Every run's tokens are the same validation text under the same vocabulary."""
+    longest = max((len(p) for p in positions.values()), default=0)
+    spans = [(a, b) for a, b in POSITION_SPANS if a < longest]
+    rows = []
+    for name, losses in positions.items():
+        row = {"configuration": name}
+        for a, b in spans:
+            part = losses[a:b]
+            row[f"positions {a}-{b - 1}"] = round(sum(part) / len(part), 4) if len(part) == b - a else ""
+        rows.append(row)
+    return rows
 
 
 def speedrun_conclusion(rows: list[dict], budget_s: float) -> str:
@@ -295,6 +338,39 @@ def train_step(model, x, y):
         opt.step()
         return loss
     return step
+
+
+def race_step(name: str, seed: int = 0):
+    """-> (step(), tokens per step): one training step of race configuration `name`
+    (sonata.studies.RACE) at its global batch, context, vocabulary and precision, on a fixed
+    random batch: forward under the run's autocast, sonata's loss kernel on float32 logits (as
+    the trainer computes every model's loss), backward, fused AdamW with the trainer's parameter groups.
+    The model is built as the trainer builds it (`sonata.model.build_model`), seeded."""
+    from dataclasses import replace
+
+    from sonata.config import resolve_profile
+    from sonata.device import autocast_for
+    from sonata.model import build_model, param_groups
+    from sonata.plan import resolve_precision
+    cfg = make_config(RACE[name])
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=cfg.data.vocab_size))
+    torch.manual_seed(seed)
+    model = build_model(cfg)
+    t = cfg.train
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randint(0, cfg.data.vocab_size, (2, t.effective_batch, cfg.data.seq_len), generator=g)
+    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(0.9, t.beta2), fused=True)
+    precision = resolve_precision(t.precision, resolve_profile(cfg.profile, "cpu", 1 << 30))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with autocast_for(precision, torch.device("cpu")):
+            logits = model(x)
+        loss = cross_entropy(logits.float(), y, cfg.model.backend)
+        loss.backward()
+        opt.step()
+        return loss
+    return step, x.numel()
 
 
 def saved_bytes_per_token(model, x, y) -> float:

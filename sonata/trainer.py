@@ -305,11 +305,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, max_tokens: int | None = None, model: MambaLM | None = None,
-                 split: str = "validation"):
+                 split: str = "validation", by_position: bool = False):
         """Validation loss and bits per byte (the whole split unless train.eval_tokens or
         `max_tokens` limit it); data parallel: sharded over the ranks, summed. `split`
-        "train": the same figures on the start of the training stream. A task: loss and
-        accuracy on its fixed validation sequences at the training length (TaskEval)."""
+        "train": the same figures on the start of the training stream. `by_position`: also
+        the loss at each position of the window (one process). A task: loss and accuracy on
+        its fixed validation sequences at the training length (TaskEval)."""
         t = self.cfg.train
         if self.task:
             k = self.cfg.task
@@ -318,7 +319,7 @@ class Trainer:
         stream = {"validation": self.corpus.val, "train": self.corpus.train}[split]
         return evaluate_stream(model or self.model, stream, self._byte_len, self.cfg.data.seq_len,
                                max(16, self.plan.micro_batch), t.eval_tokens if max_tokens is None else max_tokens,
-                               self.plan.precision, (self.rank, self.world))
+                               self.plan.precision, (self.rank, self.world), by_position)
 
     def _timed_evaluate(self):
         t0 = time.perf_counter()

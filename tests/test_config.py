@@ -26,12 +26,18 @@ def test_train_defaults_follow_the_data(source, vocab, lr, steps, seconds, line)
         assert (cfg.data.vocab_size, cfg.train.lr, cfg.train.max_steps, cfg.train.max_seconds) == \
             (vocab, lr, steps, seconds)
         assert describe_length(cfg) == line
+        real = vocab == 2048                 # the race's winner on real text; the seed configuration embedded
+        assert (cfg.data.seq_len, cfg.train.effective_batch, cfg.train.weight_decay, cfg.train.precision) == \
+            ((512, 4, 0.3, "fast") if real else (128, 16, 0.1, "auto"))
 
 
 def test_train_defaults_never_replace_a_value_that_is_set():
     real = {"data.source": "tinystories", **UNSET}
     cfg = make_config(with_train_defaults({**real, "data.vocab_size": 1024, "train.lr": 1e-3}))
     assert (cfg.data.vocab_size, cfg.train.lr, cfg.train.max_seconds) == (1024, 1e-3, 600.0)
+    cfg = make_config(with_train_defaults({**real, "data.seq_len": 128, "train.effective_batch": 16,
+                                           "train.precision": "fp32"}))
+    assert (cfg.data.seq_len, cfg.train.effective_batch, cfg.train.precision) == (128, 16, "fp32")
     # a length set either way replaces the data's whole default length
     cfg = make_config(with_train_defaults({**real, "train.max_steps": 300}))
     assert (cfg.train.max_steps, cfg.train.max_seconds) == (300, 0.0)
@@ -60,7 +66,7 @@ def test_overrides_are_parsed_by_field_type():
     ("model.d_model=0", "model.d_model must be positive"),
     ("model.backend=gpu", "model.backend must be"),
     ("train.micro_batch=-1", "train.micro_batch must be >= 0"),
-    ("train.precision=fp8", "train.precision must be auto or one of"),
+    ("train.precision=fp8", "train.precision must be auto, fast or one of"),
     ("d_model=3", "section.name"),
     ("model.d_model", "key=value"),
 ])

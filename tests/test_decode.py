@@ -74,6 +74,34 @@ def test_fast_generate_equals_reference_generate(temperature, top_k):
     assert torch.equal(fast, ref)
 
 
+def test_stop_tokens_and_pad_follow_the_rule_on_the_full_generation():
+    """Sampling with stop ids: the same tokens as a run without them, cut once every row has
+    stopped; with `pad`, each row's columns after its first stop id are pad (transformers'
+    eos / pad_token_id rule, the one loop sonata.hf_accelerate's generate runs)."""
+    from sonata.decode import generate
+    m = _sonata(seed=15)
+    prompt = _ids(3, 5, seed=2)
+    full = generate(m, prompt, 48, temperature=0)
+    new = full[:, 5:]
+    stops = [int(new[0, 3]), int(new[2, 10])]               # ids the greedy rows really produce
+    first = [next((j for j in range(48) if int(new[r, j]) in stops), None) for r in range(3)]
+    if all(f is not None for f in first):
+        end = max(first) + 1
+    else:
+        end = 48
+    got = generate(m, prompt, 48, temperature=0, stop_token=stops)
+    assert torch.equal(got, full[:, :5 + end])
+    padded = generate(m, prompt, 48, temperature=0, stop_token=stops, pad=0)
+    want = full[:, :5 + end].clone()
+    for r, f in enumerate(first):
+        if f is not None:
+            want[r, 5 + f + 1:] = 0
+    assert torch.equal(padded, want) and not torch.equal(padded, full[:, :5 + end])
+    assert torch.equal(generate(m, prompt, 48, temperature=0, stop_token=[]), full)
+    assert torch.equal(generate(m, prompt, 48, temperature=0, stop_token=stops[0]),
+                       generate(m, prompt, 48, temperature=0, stop_token=[stops[0]]))
+
+
 def test_stream_text_equals_batch_generation():
     m = _sonata(seed=10)
     vocab = _vocab()

@@ -99,3 +99,28 @@ def test_eval_bad_inputs_are_one_error_line(trained, tmp_path, capsys):
     assert _eval_error(capsys, path) == "error: eval needs --text FILE for a language model (--lengths is for task checkpoints)"
     assert _eval_error(capsys, path, "--text", text, "--device", "tpu") == \
         "error: --device must be auto, cpu or cuda, not 'tpu'"
+
+
+def test_loss_by_position_is_the_loss_of_each_window_position(trained):
+    """`by_position`: the mean over windows of the loss at each position, checked against
+    the model's own logits window by window; weighted by the windows covering each position
+    it gives back the overall loss."""
+    import torch
+    import torch.nn.functional as F
+    from sonata.data import val_batches
+    _, _, summary, tr = trained
+    ev = tr.evaluate(by_position=True)
+    L = tr.cfg.data.seq_len
+    assert len(ev.position_loss) == L and ev.loss == pytest.approx(summary["val_loss"], rel=1e-9)
+    sums, counts = torch.zeros(L, dtype=torch.float64), torch.zeros(L, dtype=torch.float64)
+    with torch.no_grad():
+        tr.model.eval()
+        for x, y in val_batches(tr.corpus.val, L, 7):
+            nats = F.cross_entropy(tr.model(x).transpose(1, 2), y, reduction="none").double()
+            sums[:y.shape[1]] += nats.sum(0)
+            counts[:y.shape[1]] += y.shape[0]
+        tr.model.train()
+    assert ev.position_loss == pytest.approx((sums / counts).tolist(), rel=1e-5)
+    total = sum(p * c for p, c in zip(ev.position_loss, counts.tolist()))
+    assert total / counts.sum().item() == pytest.approx(ev.loss, rel=1e-6)
+    assert tr.evaluate().position_loss == ()

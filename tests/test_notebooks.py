@@ -35,7 +35,7 @@ TINY = {
         lrs=[0.01, 1.0], max_steps=12, micro_batch=4, seq_len=32, d_model=32, n_layers=1, d_state=4,
         max_stories=60),
     "06_generate.ipynb": dict(max_new_tokens=20, n_samples=2, fallback_steps=2),
-    "07_ten_minute_speedrun.ipynb": dict(budget_s=2, data_source="embedded", configs=["default", "wd0"],
+    "07_ten_minute_speedrun.ipynb": dict(budget_s=2, data_source="embedded", configs=["sonata", "gpt2-lr3e-3"],
                                          curve_points=2),
     "08_selection.ipynb": dict(task_budget_s=2, induction_steps=20, induction_curriculum="8:10,16", long_steps=3,
                                long_curriculum="32:2,64", long_budget_s=2, archs=["mamba", "lti", "attention"],
@@ -100,16 +100,22 @@ def test_notebook_01_trains_and_reports(tmp_path):
 @pytest.mark.notebook
 def test_notebook_01_takes_the_defaults_of_real_text(tmp_path):
     """Parameters left at 0 on real text (any source but the embedded corpus): notebook
-    07's winner (vocabulary 2048, lr 6e-3, a time budget with no step cap)."""
+    07's race winner (vocabulary 2048, lr 6e-3, weight decay 0.3, 4 windows of 512 tokens,
+    precision fast: bf16 where the CPU multiplies it natively, a time budget with no step cap)."""
+    from sonata.device import cpu_bf16_native
     stories = tmp_path / "stories.txt"
     stories.write_text((REPO / "data" / "stories.txt").read_text())
     nb, text = _run("01_train_tinystories.ipynb", tmp_path, data_source=str(stories), vocab_size=0, lr=0.0,
-                    max_steps=0, max_seconds=1.0, eval_every=0, n_samples=0)
+                    max_steps=0, max_seconds=1.0, eval_every=0, n_samples=0, seq_len=0, effective_batch=0,
+                    micro_batch=0)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert "vocabulary 2,048, peak lr 0.006, a 1 s time budget" in text
     assert (summary["max_seconds"], summary["stopped_by"]) == (1.0, "time")
+    assert summary["plan"]["precision"] == ("bf16" if cpu_bf16_native() else "fp32")
     cfg = load_checkpoint(tmp_path / "run" / "checkpoint.pt")["config"]
-    assert (cfg["data"]["vocab_size"], cfg["train"]["lr"], cfg["train"]["max_steps"]) == (2048, 6e-3, 0)
+    assert (cfg["data"]["vocab_size"], cfg["data"]["seq_len"], cfg["train"]["effective_batch"], cfg["train"]["lr"],
+            cfg["train"]["weight_decay"], cfg["train"]["max_steps"], cfg["train"]["precision"]) == \
+        (2048, 512, 4, 6e-3, 0.3, 0, "fast")
 
 
 @pytest.mark.notebook
@@ -202,19 +208,23 @@ def test_notebook_06_trains_a_fallback_and_prints_samples(tmp_path):
 
 
 @pytest.mark.notebook
-def test_notebook_07_trains_each_configuration_under_the_budget(tmp_path):
+def test_notebook_07_races_sonata_against_the_gpt_under_the_budget(tmp_path):
     nb, text = _run("07_ten_minute_speedrun.ipynb", tmp_path)
     assert "data: the embedded corpus (data/stories.txt)" in text
     html = _html(nb)
-    for name in ("default", "wd0"):
+    for name in ("sonata", "gpt2-lr3e-3"):
         assert f"<td>{name}</td>" in html
         summary = json.loads((tmp_path / "run" / name / "summary.json").read_text())
         assert summary["max_seconds"] == 2 and summary["stopped_by"] == "time" and summary["steps"] > 0
         assert f"<td>{summary['val_bpb']:.4f}".rstrip("0") in html
     assert "<th>train bpb</th>" in html and "<th>gap</th>" in html and "<th>epochs</th>" in html
-    best = re.search(r"best under 2 s of training: (\w+) \(", text)
-    assert best and best.group(1) in ("default", "wd0")
-    assert _images(nb) == 1
+    assert "<th>positions 0-7</th>" in html and "<th>positions 32-127</th>" in html
+    line = re.search(r"best sonata: sonata (\d\.\d{4}) bits per byte .* best GPT-2: gpt2-lr3e-3 (\d\.\d{4}) .*: "
+                     r"(sonata|GPT-2) wins by (\d\.\d{4}) bits per byte", text)
+    assert line, text[-2000:]
+    ours, gpt, margin = float(line.group(1)), float(line.group(2)), float(line.group(4))
+    assert line.group(3) == ("sonata" if ours < gpt else "GPT-2") and abs(margin - abs(ours - gpt)) < 2e-4
+    assert _images(nb) == 2                       # the curve and the loss by position
 
 
 def test_speedrun_falls_back_to_the_embedded_corpus_and_says_so(monkeypatch):
@@ -242,6 +252,7 @@ def test_speedrun_budget_range_ends():
     with pytest.raises(ParameterError, match=r"^parameter configs = \['default', 'huge'\] holds 'huge', "
                                              r"which is not allowed"):
         check("07_ten_minute_speedrun", {"configs": ["default", "huge"]})
+    check("07_ten_minute_speedrun", {"configs": ["sonata", "gpt2-lr1e-2", "default"]})   # both studies' names
     with pytest.raises(ParameterError, match=r"^parameter data_source = 'hub' is not allowed; "
                                              r"allowed: one of embedded \| tinystories$"):
         check("07_ten_minute_speedrun", {"data_source": "hub"})
@@ -322,8 +333,12 @@ def test_the_notebooks_page_states_the_ranges():
     (dict(vocab_size=65537), "parameter vocab_size = 65537 is out of range; allowed: 0 or range 258..65536"),
     (dict(max_stories=1), "parameter max_stories = 1 is out of range; allowed: 0 or range 2..10000000"),
     (dict(backend="gpu"), "parameter backend = 'gpu' is not allowed; allowed: one of auto | reference | cpu | triton"),
-    (dict(micro_batch=3, effective_batch=16),
-     "parameter micro_batch = 3 does not divide effective_batch = 16 (0, or a divisor of effective_batch)"),
+    (dict(micro_batch=3, effective_batch=16, data_source="embedded"),
+     "parameter micro_batch = 3 does not divide effective_batch = 16 (0, or a divisor of effective_batch; "
+     "effective_batch 0 is the data's: 16 on the embedded corpus, 4 on real text)"),
+    (dict(micro_batch=8, effective_batch=0, data_source="tinystories"),
+     "parameter micro_batch = 8 does not divide effective_batch = 0 (0, or a divisor of effective_batch; "
+     "effective_batch 0 is the data's: 16 on the embedded corpus, 4 on real text)"),
 ])
 def test_check_names_the_parameter_its_value_and_the_range(values, line):
     with pytest.raises(ParameterError) as e:

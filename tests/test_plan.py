@@ -72,3 +72,26 @@ def test_fixed_micro_batch_warns_and_skips_the_cap():
     s = tr.run()
     assert s["micro_batch"] == 8 and s["tokens"] == 2 * 8 * 32
     assert s["plan"] == tr.plan.to_dict()
+
+
+# ---------------------------------------------------------------- precision
+def test_fast_precision_is_bf16_only_on_a_cpu_that_multiplies_bf16(tmp_path, monkeypatch):
+    import sonata.plan as plan_mod
+    from sonata.device import cpu_bf16_native
+    zen4 = tmp_path / "zen4"
+    zen4.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n")
+    sapphire = tmp_path / "spr"
+    sapphire.write_text("flags\t\t: avx2 avx512f amx_tile amx_bf16 amx_int8\n")
+    zen3 = tmp_path / "zen3"
+    zen3.write_text("flags\t\t: fpu sse2 avx avx2 fma\n")
+    assert cpu_bf16_native(str(zen4)) and cpu_bf16_native(str(sapphire))
+    assert not cpu_bf16_native(str(zen3)) and not cpu_bf16_native(str(tmp_path / "absent"))
+    cpu = resolve_profile(ProfileConfig(), "cpu", 20 * GiB)
+    laptop = resolve_profile(ProfileConfig(), "cuda", 0, device_total_bytes=8 * GiB)
+    for native, on_cpu in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setattr(plan_mod, "cpu_bf16_native", lambda native=native: native)
+        assert plan_mod.resolve_precision("fast", cpu) == on_cpu
+        assert plan_mod.resolve_precision("fast", laptop) == "fp16"          # a GPU keeps its profile's
+        assert plan_mod.resolve_precision("auto", cpu) == "fp32" and plan_mod.resolve_precision("bf16", laptop) == "bf16"
+        t = make_config({"train.precision": "fast"}).train
+        assert plan_batch(t, cpu).precision == on_cpu

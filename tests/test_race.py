@@ -12,7 +12,7 @@ from conftest import REPO, tiny_overrides
 from sonata.config import make_config
 from sonata.errors import ConfigError
 from sonata.model import build_model
-from sonata.studies import RACE, race_conclusion, speedrun
+from sonata.studies import RACE, position_table, race_conclusion, speedrun
 from sonata.trainer import Trainer
 
 pytest.importorskip("transformers")
@@ -30,6 +30,16 @@ def test_the_race_sizes_are_the_issues_equal_parameter_counts():
     assert _built(RACE["sonata"], 2048).num_params() == 333_216          # within 1%: equal parameters
     x = torch.randint(0, 2048, (2, 128))
     assert gpt(x).shape == (2, 128, 2048)
+
+
+def test_every_race_row_keeps_the_race_equal():
+    """Each row of RACE: parameters within 5% of the GPT's, the same vocabulary and the same
+    2,048 tokens per step; the rows differ only in the levers they name."""
+    for name, over in RACE.items():
+        cfg = make_config(over)
+        n = _built(over, 2048).num_params()
+        assert abs(n - 329_920) / 329_920 < 0.05, (name, n)
+        assert cfg.data.vocab_size == 2048 and cfg.data.seq_len * cfg.train.effective_batch == 2048, name
 
 
 def test_the_gpt2_baseline_and_sonata_see_identical_batches():
@@ -61,6 +71,12 @@ def test_the_race_runs_under_a_tiny_budget_and_names_its_winner():
     for r in rows.values():
         assert r["steps"] > 0 and math.isfinite(r["val bpb"]) and 0 < r["val bpb"] < 20 and r["tokens/s"] > 0
     assert rows["gpt2-lr3e-3"]["params"] != rows["sonata"]["params"]
+    for name in configs:
+        losses = result.positions[name]
+        assert len(losses) == 32 and all(math.isfinite(v) and v > 0 for v in losses)
+    table = {r["configuration"]: r for r in position_table(result.positions)}
+    assert list(table["sonata"]) == ["configuration", "positions 0-7", "positions 8-31"]   # 32-127: past the window
+    assert table["sonata"]["positions 8-31"] == round(sum(result.positions["sonata"][8:32]) / 24, 4)
     line = race_conclusion(result.rows)
     assert "best sonata: sonata" in line and "best GPT-2: gpt2-lr3e-3" in line and " wins by " in line
 
