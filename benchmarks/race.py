@@ -8,7 +8,8 @@ embedded corpus (the line under the table says which). Each configuration trains
 --budget-s seconds of training time (sonata.schedule) on the same sampler and seed, so every
 model sees the same batches, then is scored on the validation split in bits per byte
 (sonata.evaluate) and on as many tokens of the training stream. Configurations:
-sonata.studies.RACE (sonata at its real-text defaults; GPT-2 at three learning rates).
+sonata.studies.RACE (sonata's levers: bf16, context 256 and 512 at the same tokens per step,
+weight decay 0.3; GPT-2 at three learning rates and with weight decay 0.3).
 One run, one machine: compare the rows, not runs on different days.
 """
 from __future__ import annotations
