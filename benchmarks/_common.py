@@ -1,5 +1,5 @@
 """Shared by the benchmark scripts: table printing and the hardware line.
-(Timing lives in sonata.timing, the mambapy peer in sonata.peers.)
+(Timing lives in sonata.lab.timing, the mambapy peer in sonata.lab.peers.)
 
 Benchmarks print tables measured side by side in one run; ratios matter more
 than absolute figures on a noisy machine. Nothing here is a test.
@@ -24,6 +24,6 @@ def print_table(headers, rows, title=None):
 def hardware_line(device="cpu") -> str:
     import platform
 
-    from sonata.bench import hardware_name
+    from sonata.lab.bench import hardware_name
     return (f"hardware: {hardware_name(torch.device(device))}; torch {torch.__version__}; "
             f"python {platform.python_version()}")

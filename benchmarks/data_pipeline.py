@@ -34,8 +34,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import hardware_line, print_table  # noqa: E402
 
-from sonata.sources import EMBEDDED_CORPUS, resolve_source, story_batches  # noqa: E402
-from sonata.vocab import EOT, get_tokenizer  # noqa: E402
+from sonata.data.sources import EMBEDDED_CORPUS, resolve_source, story_batches  # noqa: E402
+from sonata.data.vocab import EOT, get_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

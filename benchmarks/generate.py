@@ -4,7 +4,7 @@
                                   [--prompt-len 100] [--threads 2] [--repeat 3]
 
 The sonata model (a checkpoint, or the seed configuration with random weights) is
-exported with sonata.hf into a temporary folder and loaded from there by
+exported with sonata.interop.hf into a temporary folder and loaded from there by
 transformers, so both run the same weights. Greedy decoding (argmax), so the two
 must produce the same ids: the table says whether they did. Rows:
 
@@ -17,7 +17,7 @@ must produce the same ids: the table says whether they did. Rows:
                     and at --threads; the ratios use its faster setting
 
 sonata's decode step runs on one thread for small models whatever --threads says
-(sonata.decode.Decoder: the fused step is single-threaded, and the torch step's thread
+(sonata.model.decode.Decoder: the fused step is single-threaded, and the torch step's thread
 fork/join costs more than its tiny ops).
 
 New tokens/s exclude the prompt; time to first token is prompt in -> first new id
@@ -37,10 +37,10 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import hardware_line, print_table  # noqa: E402
 
-from sonata.config import ModelConfig  # noqa: E402
-from sonata.generate import load_model  # noqa: E402
-from sonata.hf import export_hf  # noqa: E402
-from sonata.model import MambaLM  # noqa: E402
+from sonata.core.config import ModelConfig  # noqa: E402
+from sonata.interop.hf import export_hf  # noqa: E402
+from sonata.lab.generate import load_model  # noqa: E402
+from sonata.model.lm import MambaLM  # noqa: E402
 
 
 def _median_s(fn, repeat: int) -> float:

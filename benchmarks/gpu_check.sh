@@ -15,7 +15,7 @@ PY="${PYTHON:-python3}"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
   echo "== kernel tests, compiled on CUDA"
-  $PY -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py 2>&1 | tail -25
+  $PY -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_triton.py 2>&1 | tail -25
   echo "== benchmarks/scan.py"
   $PY benchmarks/scan.py --device cuda --sizes seed seed-b32 large --repeat 20
   echo "== benchmarks/train_speed.py"

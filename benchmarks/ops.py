@@ -1,17 +1,17 @@
-"""sonata.ops and sonata.hf.accelerate, side by side with what a CPU user has without them.
+"""sonata.interop.mamba_ssm and sonata.interop.hf.accelerate, side by side with what a CPU user has without them.
 
     python benchmarks/ops.py [--threads 2] [--repeat 3] [--quick]
 
 Table 1, the ops (forward + backward unless marked), at one layer of the seed model
 (batch 8, d_inner 192, d_state 16, length 128) and at mamba-130m's width (batch 1,
 d_inner 1536, length 512):
-  sonata.ops         the op as a program written against mamba_ssm calls it
-  mamba_ssm ref      the same call on the reference semantics (`sonata.ops.*_ref`: the
+  sonata.interop.mamba_ssm         the op as a program written against mamba_ssm calls it
+  mamba_ssm ref      the same call on the reference semantics (`sonata.interop.mamba_ssm.*_ref`: the
                      sequential loop of mamba_ssm's selective_scan_ref, written here)
   mambapy            mambapy's parallel scan (pscan) where it applies (per-batch B and C)
 Each row gives the largest difference of sonata's output from the reference's.
 
-Table 2, transformers' MambaForCausalLM with and without `sonata.hf.accelerate` (the same
+Table 2, transformers' MambaForCausalLM with and without `sonata.interop.hf.accelerate` (the same
 weights, loaded twice): a training step (forward, backward, Adam) in tokens/s, and greedy
 generation (batch 1, 16-token prompt, 128 new tokens) in new tokens/s, at the seed size
 (d_model 96, 2 layers, vocabulary 512) and at d_model 768 with 4 layers (mamba-130m's width)
@@ -33,8 +33,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import hardware_line, print_table  # noqa: E402
 
-from sonata import ops  # noqa: E402
-from sonata.timing import median_time  # noqa: E402
+from sonata.interop import mamba_ssm as ops  # noqa: E402
+from sonata.lab.timing import median_time  # noqa: E402
 
 SCAN_SIZES = {"seed layer": (8, 192, 16, 128), "mamba-130m layer": (1, 1536, 16, 512)}
 
@@ -67,7 +67,7 @@ def _scan(impl):
 
 
 def _mambapy(**t):
-    from sonata.peers import mambapy_scan
+    from sonata.lab.peers import mambapy_scan
     return mambapy_scan(t["u"], t["delta"], t["A"], t["B"], t["C"], t["D"], t["z"], t["delta_bias"])
 
 
@@ -111,7 +111,7 @@ def _op_row(size, name, ours, ref, peer, err):
 
 def _has_mambapy():
     try:
-        from sonata.peers import import_mambapy
+        from sonata.lab.peers import import_mambapy
         import_mambapy()
         return True
     except ImportError:
@@ -122,7 +122,7 @@ def _has_mambapy():
 
 def _hf_pair(d_model, n_layers, vocab, seed=0):
     import transformers
-    from sonata.hf_accelerate import accelerate
+    from sonata.interop.hf_accelerate import accelerate
     torch.manual_seed(seed)
     conf = transformers.MambaConfig(vocab_size=vocab, hidden_size=d_model, num_hidden_layers=n_layers,
                                     state_size=16, expand=2, conv_kernel=4, eos_token_id=None,
@@ -182,12 +182,12 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     print(hardware_line("cpu"))
     print(f"{args.threads} threads; median of {args.repeat} after a warm-up")
-    print_table(["size", "op", "sonata.ops ms", "mamba_ssm ref ms", "mambapy ms", "vs ref", "vs mambapy",
+    print_table(["size", "op", "sonata.interop.mamba_ssm ms", "mamba_ssm ref ms", "mambapy ms", "vs ref", "vs mambapy",
                  "max |diff|"], op_rows(args.repeat, args.quick),
                 title="mamba_ssm's ops on CPU (forward + backward unless marked)")
     rows, ratios = hf_rows(args.repeat, args.quick)
     print_table(["model", "transformers", "train tok/s", "generate new tok/s"], rows,
-                title="transformers' MambaForCausalLM, with and without sonata.hf.accelerate")
+                title="transformers' MambaForCausalLM, with and without sonata.interop.hf.accelerate")
     print_table(["model", "train speed-up", "generate speed-up", "max |logit diff|", "same greedy ids"], ratios,
                 title="speed-ups measured in this run")
 

@@ -9,13 +9,13 @@ one step = forward, cross-entropy, backward, AdamW step (PyTorch's fused AdamW, 
 trainer runs it; sonata's model with its own loss kernel), on fixed random batches;
 warm-up steps run before the profiler starts. Models: sonata with a scan backend
 (`cpu`, `reference`), `free` (sonata's model with its scan swapped for the O(B.L.D)
-stand-in of `sonata.peers.free_scan`), `mambapy` (the peer) and `peer-free` (the peer
+stand-in of `sonata.lab.peers.free_scan`), `mambapy` (the peer) and `peer-free` (the peer
 with the same stand-in: the scan-free peer). Per model and micro-batch: the operators
 with the most self CPU time (their share of the step, calls per step), then the share
 of matrix multiplies (aten::mm, aten::addmm, aten::bmm) and the layout copies per step.
 
---race: the ten-minute race's models instead (sonata.studies.RACE: vocabulary 2048, global
-batch 16, each at its own precision and context; `sonata.studies.race_step`), and per model
+--race: the ten-minute race's models instead (sonata.lab.race.RACE: vocabulary 2048, global
+batch 16, each at its own precision and context; `sonata.lab.speed.race_step`), and per model
 the step's wall time split into matrix multiplies, sonata's fused kernels (the autograd
 Functions of the scan, conv, norm and loss kernels), the other PyTorch operators, and the
 rest (Python and what the profiler does not see). The profiler's own cost per operator
@@ -34,8 +34,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import hardware_line, print_table  # noqa: E402
 
-from sonata.memory import steady_cpu_heap  # noqa: E402
-from sonata.studies import RACE, STEP_SEED, STEP_SEQ_LEN, race_step, step_model, train_step  # noqa: E402
+from sonata.lab.race import RACE  # noqa: E402
+from sonata.lab.speed import STEP_SEED, STEP_SEQ_LEN, race_step, step_model, train_step
+from sonata.train.memory import steady_cpu_heap  # noqa: E402
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 
@@ -104,7 +105,7 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--race", nargs="*", choices=list(RACE), default=None, metavar="NAME",
-                    help="profile the race's models instead (no names: all of sonata.studies.RACE)")
+                    help="profile the race's models instead (no names: all of sonata.lab.race.RACE)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     steady_cpu_heap()             # as sonata's trainer runs; every model profiled with it alike

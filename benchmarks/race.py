@@ -5,10 +5,10 @@ context and CPU time (issue 29), every model through sonata's own trainer.
 
 Data: the real TinyStories sample ($SONATA_TINYSTORIES, e.g. ../shared/data/...), else the
 embedded corpus (the line under the table says which). Each configuration trains for
---budget-s seconds of training time (sonata.schedule) on the same sampler and seed, so every
+--budget-s seconds of training time (sonata.train.schedule) on the same sampler and seed, so every
 model sees the same batches, then is scored on the validation split in bits per byte
-(sonata.evaluate) and on as many tokens of the training stream. Configurations:
-sonata.studies.RACE (sonata's levers: bf16, context 256 and 512 at the same tokens per step,
+(sonata.train.evaluate) and on as many tokens of the training stream. Configurations:
+sonata.lab.race.RACE (sonata's levers: bf16, context 256 and 512 at the same tokens per step,
 weight decay 0.3; GPT-2 at three learning rates and with weight decay 0.3).
 One run, one machine: compare the rows, not runs on different days.
 """
@@ -21,7 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import hardware_line, print_table  # noqa: E402
 
-from sonata.studies import RACE, race_conclusion, speedrun, speedrun_source  # noqa: E402
+from sonata.lab.race import RACE, race_conclusion, speedrun, speedrun_source  # noqa: E402
 
 
 def main(argv=None):

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import hardware_line, print_table  # noqa: E402
 
-from sonata.timing import SIZES, default_backends, time_backends  # noqa: E402
+from sonata.lab.timing import SIZES, default_backends, time_backends  # noqa: E402
 
 
 def main(argv=None):

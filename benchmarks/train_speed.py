@@ -4,7 +4,7 @@
 
 Seed configuration: d_model 96, 2 layers, d_state 16, seq_len 128, vocabulary 512,
 fp32. The scan-free peer (`peer-free`) is mambapy's model with its scan replaced by an
-O(batch * L * d_inner) stand-in (sonata.peers.free_scan): what a step costs with the scan
+O(batch * L * d_inner) stand-in (sonata.lab.peers.free_scan): what a step costs with the scan
 for free. One training step = forward, cross-entropy, backward, AdamW step (PyTorch's fused
 AdamW for every model, as sonata's trainer runs it; sonata's model with its own loss kernel,
 the peers with PyTorch's). Warm-up steps are excluded; models are measured in interleaved
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import hardware_line, print_table  # noqa: E402
 from validity import validity_table  # noqa: E402
 
-from sonata.studies import STEP_SEQ_LEN, step_speed  # noqa: E402
+from sonata.lab.speed import STEP_SEQ_LEN, step_speed  # noqa: E402
 
 
 def main(argv=None):
@@ -50,7 +50,7 @@ def main(argv=None):
                             else ["reference", "triton", "peer-free", "mambapy"])
     print(hardware_line(dev))
     rows, fallbacks = [], {}
-    # interleaved rounds, the trainer's steady CPU heap for every model (sonata.studies.step_speed)
+    # interleaved rounds, the trainer's steady CPU heap for every model (sonata.lab.speed.step_speed)
     for r in step_speed(args.batches, names, rounds=args.rounds, steps=args.steps, warmup=args.warmup,
                         device=dev):
         rows.append([r["model"], r["micro_batch"], f"{r['tok_per_s']:,.0f}",
@@ -66,7 +66,7 @@ def main(argv=None):
                       f"vocab 512, fp32), {args.rounds} interleaved rounds x {args.steps} steps (ratios: median "
                       f"of per-round ratios), "
                       f"{args.warmup} warm-up steps excluded; scan-free peer = mambapy with its scan "
-                      f"replaced by sonata.peers.free_scan")
+                      f"replaced by sonata.lab.peers.free_scan")
     if not args.no_validity:
         # the same batches through sonata's own trainer and harness: each figure with its checks
         validity_table(args.batches, steps=30, threads=args.threads)

@@ -3,7 +3,7 @@
     python benchmarks/validity.py [--steps 30] [--threads 2] [--micro 8 16 32] [--leak]
 
 Each configuration (the seed model at each micro-batch; with --leak also the
-deliberately leaky `debug.leak=keep_graph` run) is measured by `sonata.bench.run_bench`:
+deliberately leaky `debug.leak=keep_graph` run) is measured by `sonata.lab.bench.run_bench`:
 two runs from the same seed, the median of 5-step windows after 3 warm-up steps, peak
 memory, the leak detector's slope, non-finite steps, reproducibility, fallbacks and
 host-to-device bytes, and a verdict. A figure whose checks fail is INVALID, not a speed.
@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import hardware_line, print_table  # noqa: E402
 
-from sonata.bench import run_bench  # noqa: E402
+from sonata.lab.bench import run_bench  # noqa: E402
 
 
 def validity_table(micro_batches, steps: int, threads: int, leak: bool = False, extra=()) -> None:
@@ -41,7 +41,7 @@ def validity_table(micro_batches, steps: int, threads: int, leak: bool = False, 
                      "; ".join(r.split(":")[0] for r in rec.reasons) or "-"])
     print_table(["run", "tok/s (median window)", "best window", "peak MiB", "MiB/step", "non-finite",
                  "reproducible", "fallbacks", "h2d B", "verdict", "reasons"], rows,
-                title=f"training throughput with validity (sonata.bench, {steps} steps x 2 runs, "
+                title=f"training throughput with validity (sonata.lab.bench, {steps} steps x 2 runs, "
                       f"3 warm-up steps excluded)")
 
 

@@ -1,24 +1,12 @@
 """sonata: a tiny Mamba language model on TinyStories, with its own selective-scan
 kernels and benchmarks that carry their own proof of validity.
 
-Modules, from the bottom layer up (tests/test_layering.py keeps the imports one way):
-- errors (one-line user errors), config (every setting), device, rng, progress, plots, peers
-  (the benchmarks' comparison models), inject (the tests' fault switches);
-- vocab (o200k and the compact vocabulary), sources (where stories come from), token_cache,
-  data (text to batches), tasks (the Mamba paper's synthetic tasks);
-- kernels (the selective scan: reference, cpu (numba), triton; decode_cpu, the fused
-  generation step; numba_cache; autograd, the kernel <-> autograd glue), quant (int8),
-  decode (the Decoder);
-- model (MambaLM: mamba, lti, attention blocks), ops (mamba_ssm's op surface on the kernels);
-- memory (accounting, the guard), leak (the leak detector), plan (what a run trains with),
-  schedule (the run's length), checkpoint, tensorboard_log,
-  hf (transformers export and import), hf_accelerate (transformers' Mamba on sonata's kernels);
-- autotune (the micro-batch), distributed (process groups), evaluate (loss and bits per byte),
-  update (one optimizer update), stops (early stops), summary (summary.json);
-- trainer (the loop), generate;
-- bench (benchmarks with their proof), timing (the scan backends timed side by side), studies, dynamics, selection (the notebooks' studies),
-  notebook (parameter ranges);
-- __main__, the command line, and launch (its --nproc workers).
+Packages by job, from the bottom layer up (tests/test_layering.py keeps the imports one way):
+core (config, errors, device, rng, progress, inject, checkpoint); kernels (the Mamba-1 scan and
+the Mamba-2 SSD, each fast path beside its reference); data (vocabulary, sources, token cache,
+batches, tasks) and model (the LM, one file per block family, decode, quant); train (the loop and
+what it asks) and interop (transformers, mamba_ssm's ops); lab (the notebooks' studies); and the
+entry points __main__ and launch.
 """
 from __future__ import annotations
 

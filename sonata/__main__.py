@@ -28,8 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from sonata.errors import SonataError, TrainingInterrupted, WorkerLost, writable_dir
-from sonata.progress import MODES, resolve_mode
+from sonata.core.errors import SonataError, TrainingInterrupted, WorkerLost, writable_dir
+from sonata.core.progress import MODES, resolve_mode
 
 EXIT_USAGE = 2
 
@@ -103,10 +103,10 @@ def _parser() -> argparse.ArgumentParser:
 def cmd_train(args) -> int:
     import os
 
-    from sonata import checkpoint as ckpt
-    from sonata import distributed
-    from sonata.config import Config, apply_overrides
-    from sonata.trainer import Trainer
+    from sonata.core import checkpoint as ckpt
+    from sonata.core.config import Config, apply_overrides
+    from sonata.train import distributed
+    from sonata.train.trainer import Trainer
 
     out = args.out or (str(Path(args.resume).parent) if args.resume
                        else f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
@@ -162,8 +162,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from sonata.config import make_config
-    from sonata.token_cache import prepare
+    from sonata.core.config import make_config
+    from sonata.data.token_cache import prepare
 
     cfg = make_config(args.overrides)
     prep = prepare(cfg.data, progress=args.progress)
@@ -182,10 +182,10 @@ def _single_process(command: str, instead: str) -> None:
 def cmd_autotune(args) -> int:
     _single_process("autotune", "for data-parallel runs use 'train train.autotune=true' "
                                 "(rank 0 tunes and broadcasts its choice)")
-    from sonata.autotune import AutotuneResult
-    from sonata.config import make_config
-    from sonata.plots import table
-    from sonata.trainer import Trainer
+    from sonata.core.config import make_config
+    from sonata.lab.plots import table
+    from sonata.train.autotune import AutotuneResult
+    from sonata.train.trainer import Trainer
 
     cfg = make_config(args.overrides)
     trainer = Trainer(cfg, None, progress=args.progress)
@@ -208,8 +208,8 @@ def cmd_autotune(args) -> int:
 
 def cmd_bench(args) -> int:
     _single_process("bench", "run it without torchrun")
-    from sonata import bench
-    from sonata.plots import table
+    from sonata.lab import bench
+    from sonata.lab.plots import table
 
     steps = bench.DEFAULT_STEPS if args.steps is None else args.steps
     warmup = bench.DEFAULT_WARMUP if args.warmup is None else args.warmup
@@ -233,7 +233,7 @@ def torch_threads() -> int:
 
 
 def cmd_generate(args) -> int:
-    from sonata.generate import load_text_model, stream_text
+    from sonata.lab.generate import load_text_model, stream_text
 
     if args.n < 1 or args.max_new_tokens < 0:
         raise SonataError("--n must be >= 1 and --max-new-tokens >= 0")
@@ -250,9 +250,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from sonata.device import resolve_device
-    from sonata.evaluate import evaluate_file
-    from sonata.generate import load_model
+    from sonata.core.device import resolve_device
+    from sonata.lab.generate import load_model
+    from sonata.train.evaluate import evaluate_file
 
     if args.device not in ("auto", "cpu", "cuda"):
         raise SonataError(f"--device must be auto, cpu or cuda, not {args.device!r}")
@@ -277,7 +277,7 @@ def cmd_eval(args) -> int:
 def _eval_task(args, model, cfg) -> int:
     """Accuracy per test length of a synthetic task's checkpoint (one line per length as it is
     done, or one JSON object)."""
-    from sonata.tasks import accuracy_by_length, make_task
+    from sonata.data.tasks import accuracy_by_length, make_task
 
     task = make_task(cfg.task)
     if args.text is not None:
@@ -313,8 +313,8 @@ def _eval_task(args, model, cfg) -> int:
 
 
 def cmd_export(args) -> int:
-    from sonata.generate import load_text_model
-    from sonata.hf import export_hf
+    from sonata.interop.hf import export_hf
+    from sonata.lab.generate import load_text_model
 
     model, vocab, cfg = load_text_model(args.checkpoint)
     if cfg.model.arch != "mamba":
@@ -327,8 +327,8 @@ def cmd_export(args) -> int:
 
 
 def _dist():
-    """sonata.distributed if this process imported it (a train run), else None."""
-    return sys.modules.get("sonata.distributed")
+    """sonata.train.distributed if this process imported it (a train run), else None."""
+    return sys.modules.get("sonata.train.distributed")
 
 
 def _print_error(e: BaseException, agreed: bool = False) -> None:

@@ -1,7 +1,7 @@
 """`python -m sonata train --nproc N ...`: N worker processes on this machine through torch's
 elastic launcher, with sonata's exit contract (rank 0's output only, live; exit 2 and one
 `error:` line when a worker fails; restarts that resume from the survivors' checkpoint).
-The workers themselves are ordinary `python -m sonata` processes (sonata.distributed).
+The workers themselves are ordinary `python -m sonata` processes (sonata.train.distributed).
 
 How the launcher learns what happened without reading the workers' text: each worker that
 ends with an `error:` line also writes it as a status file (`report`, STATUS_ENV names the

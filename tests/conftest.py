@@ -3,6 +3,8 @@ $SONATA_TINYSTORIES points at a file (CI sets it from ../shared/data)."""
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("SONATA_PROGRESS", "lines")
-# Token caches (sonata.token_cache.prepare) of this test session go to a fresh folder, never
+# Token caches (sonata.data.token_cache.prepare) of this test session go to a fresh folder, never
 # the user's ~/.cache/sonata; subprocesses (CLI, notebooks) inherit it.
 _CACHE = tempfile.mkdtemp(prefix="sonata-test-cache-")
 os.environ["XDG_CACHE_HOME"] = _CACHE
@@ -36,7 +38,7 @@ def tinystories_path():
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from sonata.vocab import get_tokenizer
+    from sonata.data.vocab import get_tokenizer
     return get_tokenizer()
 
 
@@ -49,3 +51,16 @@ def tiny_overrides(out=None, **extra):
          "train.lr": "3e-3"}
     o.update({k: str(v) for k, v in extra.items()})
     return [f"{k}={v}" for k, v in o.items()]
+
+
+def run_cli(*args, cwd=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "sonata", *args], capture_output=True, text=True,
+                          cwd=cwd or REPO, timeout=timeout)
+
+
+def _assert_one_error_line(r, fragment):
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("error:") and fragment in lines[0], lines[0]
+    assert "Traceback" not in r.stderr

@@ -3,9 +3,9 @@ off its initial value, so a wrong mapping of weights cannot pass by coincidence.
 import numpy as np
 import torch
 
-from sonata.config import ModelConfig
-from sonata.model import MambaLM
-from sonata.vocab import Vocab
+from sonata.core.config import ModelConfig
+from sonata.data.vocab import Vocab
+from sonata.model.lm import MambaLM
 
 VOCAB = 300
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sonata.__main__ import _parser
-from sonata.config import make_config
+from sonata.core.config import make_config
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md"] + sorted((REPO / "docs").glob("*.md"))

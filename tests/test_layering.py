@@ -9,25 +9,61 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "sonata"
 
-# config/errors -> vocab -> sources -> token_cache -> data, kernels -> model -> memory,
-# hf, autotune, distributed, evaluate -> trainer -> bench, selection -> __main__ (and the
-# notebooks). A module may import from its own layer or below; every module has a layer.
-LAYERS = [
-    {"errors", "config", "device", "rng", "progress", "plots", "peers", "inject"},
-    {"vocab"},
-    {"sources"},
-    {"token_cache"},
-    {"data", "tasks", "quant", "decode", "kernels", "kernels.reference", "kernels.cpu",
-     "kernels.triton", "kernels.autograd", "kernels.decode_cpu", "kernels.numba_cache",
-     "kernels.cpu_simd", "kernels.cpu_scan", "kernels.cpu_conv", "kernels.cpu_norm", "kernels.cpu_loss"},
-    {"model", "ops"},
-    {"memory", "leak", "plan", "schedule", "checkpoint", "tensorboard_log", "hf", "hf_accelerate"},
-    {"autotune", "distributed", "evaluate", "summary", "update", "stops"},
-    {"trainer", "generate"},
-    {"bench", "timing", "studies", "dynamics", "selection", "notebook"},
-    {"__main__", "launch"},
+# The packages by job, lowest first: a module may import from a lower package, or from its
+# own package at its own layer or below; packages on one line never import each other (data
+# and model; train and interop). Inside each package its modules' layers, lowest first.
+PACKAGES = [
+    ["core"],
+    ["kernels"],
+    ["data", "model"],
+    ["train", "interop"],
+    ["lab"],
+    ["entry"],                          # __main__ and launch: sonata/'s only top-level modules
 ]
-LAYER = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+INSIDE = {
+    "core": [{"errors", "inject", "rng"}, {"config", "device", "progress", "checkpoint"}],
+    "kernels": [{"numba_cache", "reference", "autograd", "ssd.reference"},
+                {"cpu_simd"}, {"cpu_scan", "cpu_conv", "cpu_norm", "cpu_loss", "decode_cpu", "triton"},
+                {"cpu"}, {"__init__"}],
+    "data": [{"vocab"}, {"sources"}, {"token_cache"}, {"batches", "tasks"}],
+    "model": [{"quant", "norm", "gpt2"}, {"decode"}, {"mamba", "attention"}, {"lm"}],
+    "train": [{"memory", "leak", "plan", "schedule", "tensorboard_log"},
+              {"autotune", "distributed", "evaluate", "summary", "update", "stops"}, {"trainer"}],
+    "interop": [{"hf", "mamba_ssm"}, {"hf_accelerate"}],
+    "lab": [{"plots", "peers"}, {"timing", "generate"},
+            {"bench", "throughput", "race", "dynamics", "selection"}, {"speed"}, {"notebook"}],
+    "entry": [{"launch"}, {"__main__"}],
+}
+ENTRY_POINTS = {"__main__", "launch"}
+PACKAGE_LAYER = {p: i for i, line in enumerate(PACKAGES) for p in line}
+
+
+def package_of(mod: str) -> str:
+    return "entry" if mod in ENTRY_POINTS else mod.split(".")[0]
+
+
+def inner_of(mod: str) -> str:
+    if mod in ENTRY_POINTS:
+        return mod
+    return mod.partition(".")[2] or "__init__"
+
+
+def layer_of(mod: str) -> tuple[int, int] | None:
+    """(package layer, layer inside the package), or None for a module with no layer. A
+    package's __init__ (its re-exports) stands above its modules, except where INSIDE places it
+    (the kernels' dispatcher)."""
+    pkg, inner = package_of(mod), inner_of(mod)
+    if pkg not in INSIDE:
+        return None
+    for i, layer in enumerate(INSIDE[pkg]):
+        if inner in layer:
+            return PACKAGE_LAYER[pkg], i
+    if inner == "__init__":
+        return PACKAGE_LAYER[pkg], len(INSIDE[pkg])
+    return None
+
+
+LAYER = {}                              # filled from the modules that exist
 
 
 def module_name(path: Path) -> str:
@@ -111,17 +147,25 @@ def test_the_cycle_finder_names_a_cycle():
 
 
 def test_function_level_imports_are_read():
-    src = PKG / "bench.py"
     graph = import_graph()
-    assert "trainer" in graph["bench"] and src.exists()
-    assert "kernels" in graph["model"] and "kernels.autograd" in graph["kernels"]
+    assert "train.trainer" in graph["lab.bench"]
+    assert "kernels" in graph["model.mamba"] and "kernels.autograd" in graph["kernels"]
+
+
+def test_sonata_top_level_holds_only_the_entry_points():
+    top = sorted(p.stem for p in PKG.glob("*.py"))
+    assert top == ["__init__", "__main__", "launch"], top
+    assert sorted(p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()) == \
+        sorted(INSIDE.keys() - {"entry"})
 
 
 def test_every_module_has_a_layer():
-    missing = sorted(set(sonata_modules()) - set(LAYER) - {"__init__"})
-    assert not missing, "modules with no layer in LAYERS: " + ", ".join(f"sonata.{m}" for m in missing)
-    stale = sorted(set(LAYER) - set(sonata_modules()))
-    assert not stale, "LAYERS names modules that do not exist: " + ", ".join(stale)
+    missing = sorted(m for m in sonata_modules() if m != "__init__" and layer_of(m) is None)
+    assert not missing, "modules with no layer: " + ", ".join(f"sonata.{m}" for m in missing)
+    named = {m if p == "entry" else f"{p}.{m}" if m != "__init__" else p
+             for p, layers in INSIDE.items() for layer in layers for m in layer}
+    stale = sorted(n for n in named if n not in sonata_modules())
+    assert not stale, "INSIDE names modules that do not exist: " + ", ".join(stale)
 
 
 def test_no_import_cycle():
@@ -129,14 +173,32 @@ def test_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(f"sonata.{m}" for m in cycle)
 
 
+def upward_imports(graph) -> list[str]:
+    bad = []
+    for a, deps in sorted(graph.items()):
+        la = layer_of(a)
+        for b in sorted(deps):
+            lb = layer_of(b)
+            if la is None or lb is None or b == "__init__":
+                continue
+            same_pkg = package_of(a) == package_of(b)
+            if (same_pkg and lb[1] > la[1]) or (not same_pkg and lb[0] >= la[0]):
+                bad.append(f"sonata.{a} {la} imports sonata.{b} {lb}")
+    return bad
+
+
+def test_the_layer_check_names_an_upward_import():
+    assert upward_imports({"core.config": {"train.trainer"}})
+    assert upward_imports({"data.vocab": {"model.lm"}})                   # siblings: no
+    assert upward_imports({"train.plan": {"train.trainer"}})              # inside: upward
+    assert not upward_imports({"train.trainer": {"train.plan", "core.config", "model.lm"}})
+
+
 def test_imports_run_one_way():
-    upward = [f"sonata.{a} (layer {LAYER[a]}) imports sonata.{b} (layer {LAYER[b]})"
-              for a, deps in sorted(import_graph().items()) for b in sorted(deps)
-              if a in LAYER and b in LAYER and LAYER[b] > LAYER[a]]
+    upward = upward_imports(import_graph())
     assert not upward, "imports against the layers:\n" + "\n".join(upward)
 
 
-@pytest.mark.parametrize("module", ["trainer", "memory", "distributed", "autotune"])
-def test_the_training_side_does_not_import_benchmark_timing(module):
-    assert "timing" not in import_graph()[module]
-    assert "bench" not in import_graph()[module]
+@pytest.mark.parametrize("module", ["train.trainer", "train.memory", "train.distributed", "train.autotune"])
+def test_the_training_side_does_not_import_the_lab(module):
+    assert not {m for m in import_graph()[module] if m.startswith("lab.")}

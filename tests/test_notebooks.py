@@ -7,8 +7,8 @@ import re
 import pytest
 
 from conftest import REPO
-from sonata.checkpoint import load as load_checkpoint
-from sonata.notebook import RANGES, CommaInts, Curriculum, ListOf, OneOf, ParameterError, Range, Text, check
+from sonata.core.checkpoint import load as load_checkpoint
+from sonata.lab.notebook import RANGES, CommaInts, Curriculum, ListOf, OneOf, ParameterError, Range, Text, check
 
 papermill = pytest.importorskip("papermill")
 
@@ -102,7 +102,7 @@ def test_notebook_01_takes_the_defaults_of_real_text(tmp_path):
     """Parameters left at 0 on real text (any source but the embedded corpus): notebook
     07's race winner (vocabulary 2048, lr 6e-3, weight decay 0.3, 4 windows of 512 tokens,
     precision fast: bf16 where the CPU multiplies it natively, a time budget with no step cap)."""
-    from sonata.device import cpu_bf16_native
+    from sonata.core.device import cpu_bf16_native
     stories = tmp_path / "stories.txt"
     stories.write_text((REPO / "data" / "stories.txt").read_text())
     nb, text = _run("01_train_tinystories.ipynb", tmp_path, data_source=str(stories), vocab_size=0, lr=0.0,
@@ -228,7 +228,7 @@ def test_notebook_07_races_sonata_against_the_gpt_under_the_budget(tmp_path):
 
 
 def test_speedrun_falls_back_to_the_embedded_corpus_and_says_so(monkeypatch):
-    from sonata.studies import speedrun_source
+    from sonata.lab.race import speedrun_source
     monkeypatch.delenv("SONATA_TINYSTORIES", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", "/nonexistent-hf-home")        # no local copy of the hub dataset either
@@ -434,7 +434,7 @@ def test_a_value_out_of_range_stops_with_one_line(name, tmp_path):
 
 
 def test_live_loss_curve_redraws_at_most_every_interval_and_ends_with_the_validation_points():
-    from sonata.plots import LiveLossCurve
+    from sonata.lab.plots import LiveLossCurve
 
     class Run:
         history = []
@@ -456,10 +456,10 @@ def test_generation_panel_streams_the_story_of_its_settings():
     import html as html_mod
 
     from conftest import tiny_overrides
-    from sonata.config import make_config
-    from sonata.generate import stream_text
-    from sonata.notebook import generation_panel, interactive_frontend
-    from sonata.trainer import Trainer
+    from sonata.core.config import make_config
+    from sonata.lab.generate import stream_text
+    from sonata.lab.notebook import generation_panel, interactive_frontend
+    from sonata.train.trainer import Trainer
 
     tr = Trainer(make_config(tiny_overrides()), None, progress="none")
     panel = generation_panel(tr.model, tr.corpus.vocab, "Once upon", max_new_tokens=15, temperature=0.0, top_k=0)
@@ -473,7 +473,7 @@ def test_generation_panel_streams_the_story_of_its_settings():
 
 def test_progress_line_in_jupyter_is_plain_text_updated_in_place(monkeypatch):
     import IPython.display
-    from sonata.progress import Progress
+    from sonata.core.progress import Progress
     shown = []
 
     class Handle:

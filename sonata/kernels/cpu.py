@@ -26,11 +26,11 @@ import numba
 import numpy as np
 import torch
 
-from sonata.kernels.cpu_simd import W
-from sonata.kernels.cpu_scan import _backward_kernel, _forward_kernel
 from sonata.kernels.cpu_conv import _conv_silu_backward_kernel, _conv_silu_forward_kernel, _sum_batch
-from sonata.kernels.cpu_norm import _rms_norm_backward_kernel, _rms_norm_forward_kernel
 from sonata.kernels.cpu_loss import _cross_entropy_backward_kernel, _cross_entropy_forward_kernel
+from sonata.kernels.cpu_norm import _rms_norm_backward_kernel, _rms_norm_forward_kernel
+from sonata.kernels.cpu_scan import _backward_kernel, _forward_kernel
+from sonata.kernels.cpu_simd import W
 from sonata.kernels.reference import compute_dtype
 
 # Time steps between saved states. The backward's per-thread scratch is about

@@ -96,7 +96,7 @@ _inline = dict(inline="always")
 # overflows to inf as in libm; NaN stays NaN. float64 uses math.exp.
 # The clamps let NaN through (comparisons with NaN are false) and keep k in [-125, 128],
 # so 2 * 2**(k-1) is one scaling for every k: no branch on the sign of k and no select for
-# inf or NaN in the vector code (tests/test_kernels_cpu.py checks it against float64 exp).
+# inf or NaN in the vector code (tests/kernels/test_kernels_cpu.py checks it against float64 exp).
 _F = np.float32
 _LOG2E, _LN2_HI, _LN2_LO = _F(1.44269504088896341), _F(0.693359375), _F(-2.12194440e-4)
 _P0, _P1, _P2 = _F(1.9875691500e-4), _F(1.3981999507e-3), _F(8.3334519073e-3)

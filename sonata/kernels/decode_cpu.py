@@ -1,6 +1,6 @@
 """One fused numba call per generated token on CPU: every layer, the final norm and the head.
 
-`sonata.decode.Decoder._step` runs a token through ~45 tiny torch ops; at the seed size
+`sonata.model.decode.Decoder._step` runs a token through ~45 tiny torch ops; at the seed size
 (d_model 96) each costs more in dispatch than in arithmetic. `step` here does the same
 computation in one compiled call, on float32 numpy arrays prepared once (`pack`):
 

@@ -1,0 +1,397 @@
+"""Synthetic tasks of the Mamba paper (Gu and Dao 2023, section 4.1): induction heads and
+selective copying. Seeded generators that draw fresh sequences every step, and the formats
+written out exactly, so anyone can generate the same data.
+
+Induction heads (`InductionHeads`, the paper's Table 2). Vocabulary 16: ids 0..14 are the
+content tokens, id 15 is the special token S. A sequence of length L (L >= 4):
+
+    position s            S                      s uniform in [0, min(16, L - 2) - 1]
+    position s + 1        A                      A uniform in 0..14: the answer
+    position L - 1        S                      the query
+    every other position  uniform in 0..14       (never S)
+
+The answer A is read from the logits at the last position, L - 1 (the only position with a
+loss and the only one scored). Chance is 1/15 among content tokens (the paper quotes 1/16).
+Content tokens after A may repeat A by chance; the answer is always the token that followed
+the first S.
+
+Selective copying (`SelectiveCopying`, the paper's Table 1). Vocabulary 16: id 0 is noise,
+id 1 the marker, ids 2..15 the 14 data tokens. With `n_data` data tokens (16 in the paper)
+and a region of `region` positions (4,096 in the paper; a parameter here: L = region +
+n_data):
+
+    positions 0 .. region - 1   noise, except n_data positions drawn without replacement
+                                (then sorted) holding data tokens uniform in 2..15
+    positions region ..  L - 1  the marker, n_data times
+
+The answer at marker position region + i (i = 0 .. n_data - 1) is the i-th data token in
+order of position: the loss and the score are on those n_data positions. Chance 1/14.
+
+Determinism. `draw(n, length, gen)` takes a torch.Generator: a training sampler owns one and
+checkpoints its state (`TaskSampler`), so a resumed run sees the same sequences. Evaluation
+sets are fixed by (seed, length): sequence r of the set is drawn by generators seeded by
+(seed, length, r), its content block by block (EVAL_BLOCK positions, each block from its own
+generator: the block size is part of the set's definition), so `eval_blocks` yields any rows
+of it without the others and a sequence of 2^20 tokens is never held whole.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from sonata.core.config import parse_curriculum
+
+IGNORE = -100        # target of a position without a loss
+EVAL_BLOCK = 1 << 14  # positions per generated evaluation block (part of an evaluation set's definition)
+
+
+@dataclass(frozen=True)
+class Answers:
+    """Where a batch is scored: `pos` (k,) positions shared by every row, `target` (n, k)."""
+    pos: torch.Tensor
+    target: torch.Tensor
+
+
+class Task:
+    """A synthetic task: its vocabulary, the sequences and where the answers are."""
+    name = ""
+    vocab_size = 16
+    min_length = 1
+
+    def draw(self, n: int, length: int, gen: torch.Generator) -> tuple[torch.Tensor, Answers]:
+        """n fresh sequences (n, length) int64 and their answers, from `gen`."""
+        raise NotImplementedError
+
+    def targets(self, x: torch.Tensor, ans: Answers) -> torch.Tensor:
+        """Per-position targets (n, length): the answer at answer positions, IGNORE elsewhere."""
+        y = torch.full_like(x, IGNORE)
+        y[:, ans.pos] = ans.target
+        return y
+
+    def check_length(self, length: int) -> None:
+        if length < self.min_length:
+            raise ValueError(f"{self.name} sequences need at least {self.min_length} positions, got {length}")
+
+    def eval_blocks(self, rows: range, length: int, seed: int):
+        """(blocks, answers) of the sequences `rows` (a range of row numbers) of the evaluation
+        set (seed, length): an iterator over (len(rows), <= EVAL_BLOCK) int64 pieces which,
+        concatenated, are the sequences, and their answers. No more than one block is held."""
+        metas = [self._eval_meta(length, seed, r) for r in rows]
+
+        def pieces():
+            for i, t0 in enumerate(range(0, length, EVAL_BLOCK)):
+                yield torch.stack([self._eval_piece(m, length, seed, r, i, t0)
+                                   for r, m in zip(rows, metas)])
+        return pieces(), self._answers(metas, length)
+
+    def _eval_meta(self, length: int, seed: int, row: int):
+        """What sequence `row` needs besides its content blocks (its answers)."""
+        raise NotImplementedError
+
+    def _eval_piece(self, meta, length: int, seed: int, row: int, i: int, t0: int) -> torch.Tensor:
+        """Block i (positions t0 ..) of sequence `row`."""
+        raise NotImplementedError
+
+    def _answers(self, metas, length: int) -> Answers:
+        raise NotImplementedError
+
+    def chance(self) -> float:
+        raise NotImplementedError
+
+    def summary(self, length: int) -> dict:
+        return {"task": self.name, "vocab_size": self.vocab_size, "train_length": length,
+                "chance": self.chance()}
+
+
+def _seeded(*key: int) -> torch.Generator:
+    g = torch.Generator()
+    h = 0x9E3779B97F4A7C15
+    for k in key:                                  # a stable 64-bit mix of the key
+        h = ((h ^ (k & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    g.manual_seed(h & 0x7FFFFFFFFFFFFFFF)
+    return g
+
+
+class InductionHeads(Task):
+    name = "induction"
+    vocab_size = 16
+    S = 15                  # the special token
+    n_content = 15          # content ids 0..14
+    max_start = 16          # the first S lies in [0, min(max_start, L - 2) - 1]
+    min_length = 4
+
+    def _meta(self, n: int, length: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        hi = min(self.max_start, length - 2)
+        s = torch.randint(0, hi, (n,), generator=gen)
+        a = torch.randint(0, self.n_content, (n,), generator=gen)
+        return s, a
+
+    def _place(self, x: torch.Tensor, t0: int, length: int, s: torch.Tensor, a: torch.Tensor) -> None:
+        """Write S, A and the final S into x, the positions [t0, t0 + x.shape[1]) of the sequences."""
+        rows = torch.arange(x.shape[0])
+        t1 = t0 + x.shape[1]
+        for pos, val in ((s, self.S), (s + 1, a)):
+            inside = (pos >= t0) & (pos < t1)
+            x[rows[inside], pos[inside] - t0] = val if isinstance(val, int) else val[inside]
+        if t0 <= length - 1 < t1:
+            x[:, length - 1 - t0] = self.S
+
+    def draw(self, n, length, gen):
+        self.check_length(length)
+        s, a = self._meta(n, length, gen)
+        x = torch.randint(0, self.n_content, (n, length), generator=gen)
+        self._place(x, 0, length, s, a)
+        return x, Answers(torch.tensor([length - 1]), a[:, None])
+
+    def _eval_meta(self, length, seed, row):
+        self.check_length(length)
+        return self._meta(1, length, _seeded(seed, length, row, -1))        # (s, a), one each
+
+    def _eval_piece(self, meta, length, seed, row, i, t0):
+        x = torch.randint(0, self.n_content, (1, min(EVAL_BLOCK, length - t0)), generator=_seeded(seed, length, row, i))
+        self._place(x, t0, length, *meta)
+        return x[0]
+
+    def _answers(self, metas, length):
+        return Answers(torch.tensor([length - 1]), torch.cat([a for _, a in metas])[:, None])
+
+    def chance(self) -> float:
+        return 1 / self.n_content
+
+
+class SelectiveCopying(Task):
+    name = "copying"
+    vocab_size = 16
+    NOISE, MARKER = 0, 1
+    first_data = 2          # data ids 2..15
+
+    def __init__(self, n_data: int = 16):
+        self.n_data = n_data
+        self.min_length = 2 * n_data
+
+    def draw(self, n, length, gen):
+        self.check_length(length)
+        k, region = self.n_data, length - self.n_data
+        # k distinct positions per row: the first k of a random permutation, sorted
+        pos = torch.rand(n, region, generator=gen).argsort(dim=1)[:, :k].sort(dim=1).values
+        data = torch.randint(self.first_data, self.vocab_size, (n, k), generator=gen)
+        x = torch.full((n, length), self.NOISE, dtype=torch.long)
+        x.scatter_(1, pos, data)
+        x[:, region:] = self.MARKER
+        return x, Answers(torch.arange(region, length), data)
+
+    def _eval_meta(self, length, seed, row):
+        return self.draw(1, length, _seeded(seed, length, row, -1))         # (x, answers) of the row
+
+    def _eval_piece(self, meta, length, seed, row, i, t0):
+        return meta[0][0, t0:t0 + EVAL_BLOCK]
+
+    def _answers(self, metas, length):
+        return Answers(metas[0][1].pos, torch.cat([ans.target for _, ans in metas]))
+
+    def chance(self) -> float:
+        return 1 / (self.vocab_size - self.first_data)
+
+
+def make_task(cfg) -> Task:
+    """The task of a TaskConfig (`task.name`, `task.n_data`)."""
+    if cfg.name == "induction":
+        return InductionHeads()
+    if cfg.name == "copying":
+        return SelectiveCopying(cfg.n_data)
+    raise ValueError(f"no task {cfg.name!r}")
+
+
+class TaskSampler:
+    """Fresh sequences of one length every step, from a seeded generator (the checkpointed
+    state: a resumed run draws what an uninterrupted one would). The trainer's batch sampler
+    for a task: `draw(n, shard)` -> (x, y), y the answer at answer positions and IGNORE
+    elsewhere. Data parallel: every rank draws the whole global batch (cheap) and keeps its
+    shard, so the order is a single process's."""
+
+    def __init__(self, task: Task, length: int, seed: int, device=None, curriculum: str = ""):
+        self.stages = parse_curriculum(curriculum) or [(length, 0)]
+        for stage_length, _ in self.stages:
+            task.check_length(stage_length)
+        self.task, self.seq_len = task, self.stages[0][0]
+        self.device = torch.device(device or "cpu")
+        self.gen = torch.Generator()
+        self.gen.manual_seed(seed)
+        self.draws = 0            # one per optimizer step: where the curriculum is
+
+    def length_at(self, draw: int) -> int:
+        """The training length of the `draw`-th batch (0-based) under the curriculum."""
+        end = 0
+        for length, steps in self.stages:
+            end += steps
+            if draw < end or steps == 0:
+                return length
+        return self.stages[-1][0]
+
+    def draw(self, n: int, shard: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]:
+        rank, world = shard
+        if n % world:
+            raise ValueError(f"cannot split {n} sequences evenly across {world} ranks")
+        self.seq_len = self.length_at(self.draws)
+        self.draws += 1
+        x, ans = self.task.draw(n, self.seq_len, self.gen)
+        y = self.task.targets(x, ans)
+        per = n // world
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        return x.to(self.device), y.to(self.device)
+
+    def state_dict(self) -> dict:
+        return {"gen": self.gen.get_state(), "draws": self.draws}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.gen.set_state(d["gen"])
+        self.draws = int(d.get("draws", 0))
+
+
+def answer_loss(logits: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor:
+    """`loss_fn(logits, targets)` over the answer positions only (y != IGNORE)."""
+    keep = y != IGNORE
+    return loss_fn(logits[keep], y[keep])
+
+
+@dataclass
+class TaskEval:
+    """Loss (nats per answer) and accuracy (share of answers whose argmax is right) on
+    `sequences` fixed sequences of `length`."""
+    loss: float
+    accuracy: float
+    sequences: int
+    length: int
+
+    def fields(self) -> dict:
+        """What a metrics row and the summary report."""
+        return {"val_loss": self.loss, "val_acc": self.accuracy}
+
+
+# Positions per forward call in chunked evaluation: (rows x chunk) at most this many tokens,
+# so a sequence of 2^20 keeps a few tens of MiB of activations whatever the batch (2^16 measured
+# 1.77 GiB of peak resident set for the seed-sized task model; this, under 1 GiB).
+EVAL_TOKENS = 1 << 14
+
+
+@torch.no_grad()
+def evaluate_task(model, task: Task, length: int, n: int, seed: int, *, chunked: bool = True,
+                  device=None) -> TaskEval:
+    """Loss and accuracy of `model` on the n fixed sequences of (seed, length), scored at the
+    answer positions. A batch of sequences at a time (at most EVAL_TOKENS positions per
+    forward call); `chunked`: each batch runs block by block (`EVAL_BLOCK` positions) carrying
+    its recurrent state (`model(x, state, return_state=True)`), so memory grows neither with
+    the length nor with n (but for attention, whose state is every key and value: pass
+    chunked=False, one pass over each whole sequence)."""
+    device = device or next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    rows = max(1, min(n, EVAL_TOKENS // min(EVAL_BLOCK if chunked else length, length)))
+    picked, targets = [], []                                            # logits at the answers
+    for r0 in range(0, n, rows):                 # a batch of sequences at a time, block by block
+        blocks, ans = task.eval_blocks(range(r0, min(n, r0 + rows)), length, seed)
+        if not chunked:
+            blocks = [torch.cat(list(blocks), dim=1)]
+        state, got, t0 = None, torch.empty(ans.target.shape + (task.vocab_size,)), 0
+        for x in blocks:
+            t1 = t0 + x.shape[1]
+            if chunked:
+                logits, state = model(x.to(device), state, return_state=True)
+            else:
+                logits = model(x.to(device))
+            inside = (ans.pos >= t0) & (ans.pos < t1)
+            if inside.any():
+                got[:, inside] = logits[:, ans.pos[inside] - t0].float().cpu()
+            t0 = t1
+        picked.append(got)
+        targets.append(ans.target)
+    picked, target = torch.cat(picked), torch.cat(targets)
+    model.train(was_training)
+    loss = torch.nn.functional.cross_entropy(picked.reshape(-1, task.vocab_size), target.reshape(-1))
+    acc = (picked.argmax(-1) == target).float().mean()
+    return TaskEval(loss=float(loss), accuracy=float(acc), sequences=n, length=length)
+
+
+LONG = 1 << 16      # lengths above this are scored on `n_long` sequences (each costs n / n_long times more)
+
+
+def _status_kib(field: str) -> int | None:
+    """A `VmRSS` / `VmHWM` line of /proc/self/status in KiB (None off Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> int | None:
+    """Start measuring a new resident-set peak from now (Linux: `5` to /proc/self/clear_refs
+    resets VmHWM to the current resident set) -> the resident bytes now, or None where the
+    peak cannot be reset (peak_rss_bytes is then the process's peak so far)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    rss = _status_kib("VmRSS")
+    return None if rss is None else rss * 1024
+
+
+def peak_rss_bytes() -> int:
+    """The resident set's peak since the last reset_peak_rss (the process's peak where it
+    cannot be reset)."""
+    hwm = _status_kib("VmHWM")
+    if hwm is not None:
+        return hwm * 1024
+    import resource
+    import sys
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024      # bytes on macOS, KiB on Linux
+
+
+def accuracy_by_length(model, task: Task, lengths, n: int = 256, n_long: int = 32, seed: int = 1234,
+                       budget_s: float = 0.0, on_row=None) -> list[dict]:
+    """Accuracy (and loss) per test length on fixed sequences: n per length up to LONG, n_long
+    beyond. Recurrent models run chunk by chunk (bounded memory); attention runs each whole
+    sequence (its state is every key and value, and its time grows with the square of the
+    length). `budget_s` > 0: a length whose time, extrapolated from the last length measured
+    (linearly for recurrent models, quadratically for attention, times the sequence count),
+    would pass the budget is not run, and neither is any longer one: its row says so.
+    `on_row(row)` is called as each row is done. Rows: length, sequences, accuracy, loss,
+    seconds, peak_rss_mib (the resident set's peak during this length's evaluation: the
+    process's peak is reset before each length on Linux, so a model trained in the same
+    process does not show its training's peak here; elsewhere the process's peak so far),
+    eval_mib (that peak above the resident set when the length began: what the evaluation
+    itself added; None where the peak cannot be reset), note."""
+    attention = getattr(getattr(model, "cfg", None), "arch", "") == "attention"
+    rows, last, stop = [], None, None
+    for length in lengths:
+        k = n if length <= LONG else n_long
+        if stop is None and budget_s and last is not None:
+            est = last[2] * (length / last[0]) ** (2 if attention else 1) * k / last[1]
+            if est > budget_s:
+                stop = (f"not run: about {est:,.0f} s at this length (time grows with the "
+                        f"{'square of the length: attention' if attention else 'length'}) > budget {budget_s:g} s")
+        if stop is not None:
+            row = {"length": length, "sequences": 0, "accuracy": None, "loss": None, "seconds": None,
+                   "peak_rss_mib": None, "eval_mib": None, "note": stop}
+        else:
+            before = reset_peak_rss()
+            t0 = time.perf_counter()
+            ev = evaluate_task(model, task, length, k, seed, chunked=not attention)
+            dt = time.perf_counter() - t0
+            last = (length, k, dt)
+            row = {"length": length, "sequences": k, "accuracy": ev.accuracy, "loss": ev.loss,
+                   "seconds": round(dt, 2), "peak_rss_mib": round(peak_rss_bytes() / 2**20),
+                   "eval_mib": None if before is None else round((peak_rss_bytes() - before) / 2**20),
+                   "note": "whole sequences" if attention else f"chunks of {EVAL_BLOCK:,}"}
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+    return rows

@@ -1,0 +1,320 @@
+"""Hugging Face transformers interchange: export a MambaLM as a `MambaForCausalLM`
+directory, and import such a directory (or any Mamba-1 checkpoint in that layout,
+e.g. the state-spaces/mamba-*-hf family on disk) back into a MambaLM.
+
+A directory written by `export_hf` holds:
+
+    config.json             model_type "mamba" and every shape field, use_bias /
+                            use_conv_bias written explicitly
+    model.safetensors       the weights; the tied embedding is stored once
+                            (backbone.embeddings.weight, no lm_head.weight)
+    generation_config.json  end-of-text id and sonata's default sampling settings
+    vocab.json              sonata's compact vocabulary (sonata.data.vocab.Vocab)
+    sonata_config.json      the full sonata config (for further training)
+    README.md               how to load it and encode/decode with the vocabulary
+
+The name mapping is the whole conversion: sonata's module names already mirror
+the reference implementation. `a_param=direct` models store A itself; it is
+written as A_log = log(-A), which exists only where A < 0 everywhere.
+transformers is not needed here: only `safetensors` (transformers loads the result).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from sonata.core.config import Config
+from sonata.core.errors import CheckpointError, SonataError
+from sonata.data.vocab import Vocab
+from sonata.model.lm import MambaLM
+
+VOCAB_FILE = "vocab.json"
+SONATA_CONFIG_FILE = "sonata_config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def _require_safetensors():
+    try:
+        import safetensors.torch as st
+    except ImportError:  # pragma: no cover - a dependency; the message names the fix
+        raise SonataError("the safetensors package is needed: pip install safetensors") from None
+    return st
+
+
+# --------------------------------------------------------------------------- export
+
+def hf_config(model: MambaLM, eot_id: int = Vocab.EOT_ID) -> dict:
+    """transformers' MambaConfig fields for `model`, every shape field explicit."""
+    c = model.cfg
+    return {
+        "architectures": ["MambaForCausalLM"],
+        "model_type": "mamba",
+        "hidden_size": c.d_model,
+        "num_hidden_layers": c.n_layers,
+        "state_size": c.d_state,
+        "expand": c.expand,
+        "intermediate_size": c.d_inner,
+        "conv_kernel": c.d_conv,
+        "time_step_rank": c.dt_rank_,
+        "vocab_size": c.vocab_size,
+        "layer_norm_epsilon": c.norm_eps,
+        "tie_word_embeddings": True,
+        # explicit: their defaults have changed across transformers versions
+        "use_bias": False,
+        "use_conv_bias": True,
+        "hidden_act": "silu",
+        "residual_in_fp32": True,
+        "time_step_min": c.dt_min,
+        "time_step_max": c.dt_max,
+        "time_step_floor": c.dt_init_floor,
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
+        "pad_token_id": eot_id,
+        "use_cache": True,
+        "dtype": "float32",
+    }
+
+
+def hf_state_dict(model: MambaLM) -> dict[str, torch.Tensor]:
+    """The model's weights under transformers' names, float32, the tied embedding once.
+    An `a_param=direct` model's A becomes A_log = log(-A); a SonataError if any A >= 0."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue                                           # tied to the embedding
+        if name.endswith(".A_param"):
+            if not bool((t < 0).all()):
+                bad = int((t >= 0).sum())
+                raise SonataError(f"cannot export to transformers: {name} has {bad} entries >= 0, and "
+                                  f"transformers' Mamba stores A = -exp(A_log) (negative everywhere); "
+                                  f"train with model.a_constraint=true or model.a_param=log")
+            name, t = name[: -len("A_param")] + "A_log", torch.log(-t.double())
+        name = "backbone.embeddings.weight" if name == "embedding.weight" else "backbone." + name
+        out[name] = t.detach().to("cpu", torch.float32).contiguous().clone()
+    return out
+
+
+def _readme(cfg: dict, n_params: int) -> str:
+    return f"""# A sonata Mamba language model
+
+Exported by `python -m sonata export CKPT --hf DIR`: {n_params:,} parameters,
+{cfg['num_hidden_layers']} layers, hidden size {cfg['hidden_size']}, state size {cfg['state_size']},
+vocabulary {cfg['vocab_size']} (sonata's compact vocabulary, `{VOCAB_FILE}`).
+
+## Load with transformers (no custom code)
+
+```python
+from transformers import MambaForCausalLM
+model = MambaForCausalLM.from_pretrained("path/to/this/folder")
+```
+
+## Encode and decode text
+
+The ids are sonata's compact vocabulary, not a `tokenizers` tokenizer: ids 0-255 are
+raw bytes, 256 is `<|endoftext|>`, 257 and up are whole tiktoken `o200k_base` tokens
+listed in `{VOCAB_FILE}` (`tokens`, o200k ids). Any other text is written as its
+UTF-8 bytes, so decoding an encoding gives the text back exactly.
+
+```python
+import torch
+from sonata.data.vocab import Vocab
+from sonata.interop.hf import load_vocab            # or: Vocab.from_state_dict on vocab.json's fields
+
+vocab = load_vocab("path/to/this/folder")   # a sonata.data.vocab.Vocab
+ids = torch.tensor([vocab.encode("Once upon a time")])
+out = model.generate(ids, max_new_tokens=50, do_sample=True, top_k=40, temperature=0.8)
+print(vocab.decode(out[0].tolist()))        # stop at id {Vocab.EOT_ID} (<|endoftext|>) if you like
+```
+
+## Back into sonata
+
+```python
+from sonata.lab.generate import load_model
+model, vocab, cfg = load_model("path/to/this/folder")   # a sonata.model.lm.MambaLM
+```
+"""
+
+
+def export_hf(model: MambaLM, vocab: Vocab | None, out_dir, cfg: Config | None = None,
+              force: bool = False) -> Path:
+    """Write `model` (and its vocabulary) as a transformers MambaForCausalLM directory.
+
+    Atomic: everything is written into a temporary folder beside `out_dir`, which is renamed
+    into place only when complete (a kill or a full disk leaves no half-written export). A
+    folder that exists and is not empty is refused unless `force`, which replaces it whole
+    (`--hf .` in a project must not write over its README)."""
+    st = _require_safetensors()
+    tensors = hf_state_dict(model)                       # refuses before anything is written
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise SonataError(f"--hf {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise SonataError(f"--hf {out} is a folder that is not empty; choose a new or empty one "
+                          f"(or --force to replace it and everything in it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        conf = hf_config(model)
+        st.save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
+        gen = {"bos_token_id": Vocab.EOT_ID, "eos_token_id": Vocab.EOT_ID, "pad_token_id": Vocab.EOT_ID,
+               "do_sample": True, "temperature": 0.8, "top_k": 40, "max_new_tokens": 200}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        if vocab is not None:
+            state = vocab.state_dict()
+            (tmp / VOCAB_FILE).write_text(json.dumps({"kind": state["kind"],
+                                                      "tokens": state["tokens"].tolist()}) + "\n")
+        if cfg is not None:
+            (tmp / SONATA_CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        (tmp / "README.md").write_text(_readme(conf, model.num_params()))
+        if out.exists():                                 # empty, or replaced with force
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SonataError(f"cannot write the export {out}: {e.strerror or e}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# --------------------------------------------------------------------------- import
+
+def load_vocab(path) -> Vocab | None:
+    """The sonata vocabulary of an exported directory, or None when it has none."""
+    f = Path(path) / VOCAB_FILE
+    if not f.exists():
+        return None
+    try:
+        d = json.loads(f.read_text())
+        return Vocab.from_state_dict({"kind": d["kind"], "tokens": torch.tensor(d["tokens"], dtype=torch.int64)})
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{f} is not a sonata vocabulary ({str(e).splitlines()[0][:120]})") from None
+
+
+def is_hf_dir(path) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / "config.json").exists()
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a transformers checkpoint folder: model.safetensors, its sharded
+    form (model.safetensors.index.json), or pytorch_model.bin (loaded weights-only)."""
+    st = _require_safetensors()
+    index = path / "model.safetensors.index.json"
+    try:
+        if (path / WEIGHTS_FILE).exists():
+            return st.load_file(str(path / WEIGHTS_FILE))
+        if index.exists():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            root = path.resolve()
+            out = {}
+            for s in shards:
+                f = (path / s).resolve()
+                if f.parent != root:             # a name like ../x or /etc/x: never read outside
+                    raise CheckpointError(f"{index} names a shard outside its folder: {s!r}")
+                out.update(st.load_file(str(f)))
+            return out
+        if (path / "pytorch_model.bin").exists():
+            return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
+    except Exception as e:  # a truncated or foreign file: one line, never a traceback
+        raise CheckpointError(f"cannot read the weights in {path}: {str(e).splitlines()[0][:160]}") from None
+    raise CheckpointError(f"{path} has no {WEIGHTS_FILE}, sharded safetensors or pytorch_model.bin")
+
+
+def config_from_hf(conf: dict, path="") -> Config:
+    """A sonata Config for a transformers MambaConfig dict; refuses what MambaLM cannot hold."""
+    def need(key):
+        if key not in conf:
+            raise CheckpointError(f"{path}/config.json has no {key!r}")
+        return conf[key]
+
+    if conf.get("model_type") != "mamba":
+        raise CheckpointError(f"{path}/config.json: model_type is {conf.get('model_type')!r}, "
+                              f"sonata imports Mamba-1 ('mamba') models only")
+    if conf.get("use_bias", False):
+        raise CheckpointError(f"{path}: use_bias=true (biases on in_proj/out_proj) is not a sonata MambaLM")
+    if conf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{path}: hidden_act {conf['hidden_act']!r} is not silu")
+    d, inner = int(need("hidden_size")), conf.get("intermediate_size")
+    expand = int(need("expand"))
+    if inner is not None and int(inner) != expand * d:
+        raise CheckpointError(f"{path}: intermediate_size {inner} is not expand x hidden_size")
+    rank = conf.get("time_step_rank", "auto")
+    cfg = Config()
+    p = Path(str(path)) / SONATA_CONFIG_FILE if path else None
+    if p is not None and p.exists():
+        try:
+            cfg = Config.from_dict(json.loads(p.read_text()))
+        except (json.JSONDecodeError, SonataError) as e:
+            raise CheckpointError(f"{p} is not a sonata config ({e})") from None
+    m = cfg.model
+    m.d_model, m.n_layers, m.d_state, m.expand = d, int(need("num_hidden_layers")), int(need("state_size")), expand
+    m.d_conv = int(conf.get("conv_kernel", 4))
+    m.dt_rank = math.ceil(d / 16) if rank == "auto" else int(rank)
+    m.vocab_size = int(need("vocab_size"))
+    m.norm_eps = float(conf.get("layer_norm_epsilon", 1e-5))
+    m.a_param = "log"
+    if m.vocab_size >= 258:
+        cfg.data.vocab_size = m.vocab_size
+    return cfg.validate()
+
+
+def sonata_state_dict(weights: dict[str, torch.Tensor], cfg: Config, conf: dict, path="") -> dict[str, torch.Tensor]:
+    """transformers' Mamba weights (names as in its state_dict) under MambaLM's names, float32
+    (a float32 tensor is passed through, not copied: `sonata.interop.hf_accelerate` shares storage
+    this way); the tied head checked and set, a missing conv bias (use_conv_bias=false) zero."""
+    sd = {}
+    for k, t in weights.items():
+        k = k.removeprefix("backbone.").replace("embeddings.", "embedding.", 1)
+        sd[k] = t.float()
+    if "embedding.weight" not in sd:
+        raise CheckpointError(f"{path}: no embedding weight (backbone.embeddings.weight)")
+    head = sd.pop("lm_head.weight", None)
+    if head is not None and head is not sd["embedding.weight"] and not torch.equal(head, sd["embedding.weight"]):
+        raise CheckpointError(f"{path}: lm_head.weight differs from the embedding; sonata's MambaLM "
+                              f"ties them (tie_word_embeddings must be true)")
+    sd["lm_head.weight"] = sd["embedding.weight"]
+    for i in range(cfg.model.n_layers):                   # use_conv_bias=false: a zero bias is the same
+        key = f"layers.{i}.mixer.conv1d.bias"
+        if key not in sd and not conf.get("use_conv_bias", True):
+            sd[key] = torch.zeros(cfg.model.d_inner)
+    return sd
+
+
+def import_hf(path, device="cpu") -> tuple[MambaLM, Vocab | None, Config]:
+    """MambaLM (eval mode), its vocabulary (None unless the folder has sonata's) and a Config,
+    from a transformers Mamba-1 folder: one exported here, or e.g. state-spaces/mamba-130m-hf."""
+    path = Path(path)
+    if not is_hf_dir(path):
+        raise CheckpointError(f"{path} is not a transformers model folder (no config.json)")
+    try:
+        conf = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}/config.json is not JSON ({e})") from None
+    cfg = config_from_hf(conf, path)
+    sd = sonata_state_dict(_read_weights(path), cfg, conf, path)
+    model = MambaLM(cfg.model)
+    try:
+        model.load_state_dict(sd)
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}: the weights do not match config.json: "
+                              f"{' '.join(str(e).split())[:240]}") from None
+    return model.to(device).eval(), load_vocab(path), cfg
+
+
+__all__ = ["export_hf", "import_hf", "hf_config", "hf_state_dict", "config_from_hf", "load_vocab",
+           "is_hf_dir", "sonata_state_dict"]

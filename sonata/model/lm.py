@@ -1,0 +1,172 @@
+"""The language model: pre-norm residual blocks and tied embeddings, one of three
+architectures (`ModelConfig.arch`):
+
+- `mamba`: Mamba-1 blocks (the default). Names mirror state-spaces/mamba (in_proj, conv1d,
+  x_proj, dt_proj, A_log, D, out_proj) so readers can move between codebases.
+- `lti`: the time-invariant ablation of the Mamba paper (its S4-in-a-Mamba-block row): the
+  same block, but delta, B and C are learned parameters instead of functions of the input
+  (delta per channel, B and C shared by the channels, as Mamba's B_t and C_t are).
+- `attention`: a causal multi-head attention baseline with rotary position embeddings
+  (`torch.nn.functional.scaled_dot_product_attention`) and a GELU MLP, the same width.
+
+Blocks live one family per file: `sonata.model.mamba` (mamba, lti), `sonata.model.attention`;
+`sonata.model.gpt2` is the race's GPT-2 (`build_model`). Every block's forward can take and return its recurrent state (the
+convolution window and the scan's state; attention: its keys and values so far), so a long
+sequence runs chunk by chunk and gives what one pass gives: `logits, state = model(ids,
+state, return_state=True)`. Generation (Mamba) runs the same recurrence one token at a time
+(O(1) per token): `step` is the plain version, `sonata.model.decode.Decoder` the fast one
+(preallocated buffers), after `prefill` has consumed the prompt in one parallel pass. int8
+lives in `sonata.model.quant`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from sonata.core.config import Config, ModelConfig
+from sonata.model import decode
+from sonata.model.attention import AttentionBlock
+from sonata.model.mamba import MambaBlock
+from sonata.model.norm import RMSNorm
+from sonata.model.quant import QLinear
+
+
+class MambaLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("ModelConfig.vocab_size must be set (from the vocabulary) before building")
+        self.cfg = cfg
+        self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        block = AttentionBlock if cfg.arch == "attention" else MambaBlock
+        self.layers = nn.ModuleList(block(cfg) for _ in range(cfg.n_layers))
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps, backend=cfg.backend)
+        self.lm_head = QLinear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.embedding.weight                     # tied
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        nn.init.normal_(self.embedding.weight, std=0.02)
+        for layer in self.layers:
+            # GPT-2 style rescale of the residual output projections by 1/sqrt(n_layers)
+            outs = ([layer.attn.out_proj, layer.mlp[2]] if isinstance(layer, AttentionBlock)
+                    else [layer.mixer.out_proj])
+            for out in outs:
+                nn.init.kaiming_uniform_(out.weight, a=math.sqrt(5))
+                with torch.no_grad():
+                    out.weight /= math.sqrt(self.cfg.n_layers)
+
+    def forward(self, idx, state=None, return_state: bool = False):   # idx (b, L)
+        """-> logits (b, L, vocab); with `return_state` (or a `state`, the list a previous
+        call returned) -> (logits, state): the next call continues the sequence, so a long one
+        runs chunk by chunk in bounded memory (attention's state grows with the sequence)."""
+        h = self.embedding(idx)
+        if state is None and not return_state:
+            for layer in self.layers:
+                h = layer(h)
+            return self.lm_head(self.norm_f(h))                         # (b, L, vocab)
+        new = []
+        for layer, s in zip(self.layers, state if state is not None else [None] * len(self.layers)):
+            h, s = layer(h, s, return_state=True)
+            new.append(s)
+        return self.lm_head(self.norm_f(h)), new
+
+    def _need_mamba(self, what: str) -> None:
+        if self.cfg.arch != "mamba":
+            raise ValueError(f"{what} needs model.arch=mamba (this model is {self.cfg.arch!r})")
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def step(self, idx, states):
+        """One token per sequence: idx (b,) -> logits (b, vocab), new states."""
+        self._need_mamba("stepping one token at a time")
+        h = self.embedding(idx)
+        new = []
+        for layer, s in zip(self.layers, states):
+            h, s = layer.step(h, s)
+            new.append(s)
+        return self.lm_head(self.norm_f(h)), new
+
+    def prefill(self, idx):
+        """The prompt idx (b, T) in one parallel pass: logits at its last position (b, vocab)
+        and the states `step` continues from."""
+        self._need_mamba("prefill")
+        h, states = self.embedding(idx), []
+        for layer in self.layers:
+            h, s = layer.prefill(h)
+            states.append(s)
+        return self.lm_head(self.norm_f(h[:, -1])), states
+
+    def generate(self, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+                 generator: torch.Generator | None = None, stop_token: int | None = None):
+        """Sampling (greedy at temperature <= 0): prompt (b, T) -> (b, T + new) ids
+        (`sonata.model.decode.generate`: a parallel prefill, then the decoder)."""
+        self._need_mamba("generation")
+        return decode.generate(self, prompt, max_new_tokens, temperature, top_k, generator, stop_token)
+
+    def generate_reference(self, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+                           generator: torch.Generator | None = None, stop_token: int | None = None):
+        """`generate`'s oracle, token by token (`sonata.model.decode.generate_reference`)."""
+        return decode.generate_reference(self, prompt, max_new_tokens, temperature, top_k, generator, stop_token)
+
+
+def build_model(cfg: Config) -> nn.Module:
+    """The model of a configuration (model.vocab_size set): a MambaLM (mamba, lti, attention
+    blocks), or for model.arch=gpt2 transformers' GPT-2 (`sonata.model.gpt2.GPT2LM`, context
+    data.seq_len), the race's baseline."""
+    if cfg.model.arch == "gpt2":
+        from sonata.model.gpt2 import GPT2LM
+        return GPT2LM(cfg.model, cfg.data.seq_len)
+    return MambaLM(cfg.model)
+
+
+def param_groups(model: nn.Module, weight_decay: float):
+    """AdamW groups: no weight decay on A (A_log or A_param), D, norms, biases; the tied
+    embedding/head weight appears once."""
+    decay, no_decay, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        leaf = name.rsplit(".", 1)[-1]
+        if p.ndim < 2 or leaf in ("A_log", "A_param", "D") or "norm" in name:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+@torch.no_grad()
+def deltas(model: MambaLM, idx) -> list[torch.Tensor]:
+    """The step sizes delta = softplus(dt + bias) of every SSM layer of `model` for input idx:
+    one (b, d_inner, L) tensor per Mamba (or lti) layer, attention layers skipped. What
+    selection is: large delta writes the input into the state, tiny delta keeps it."""
+    h, out = model.embedding(idx), []
+    for layer in model.layers:
+        if isinstance(layer, MambaBlock):
+            mix, L = layer.mixer, idx.shape[1]
+            x, _ = mix.in_proj(layer.norm(h)).transpose(1, 2).chunk(2, dim=1)
+            x = F.silu(mix.conv1d(x)[..., :L])
+            delta, _, _ = mix._ssm_inputs(x.transpose(1, 2))
+            out.append(F.softplus(delta + mix.delta_bias[:, None]))  # (b, di, L)
+        h = layer(h)
+    return out
+
+
+@torch.no_grad()
+def max_decay(model: MambaLM, idx) -> float:
+    """Largest exp(delta*A) over all layers, channels and positions of `model` for input idx:
+    below 1 the recurrence is contracting; above 1 the state can blow up (notebook 05)."""
+    worst = 0.0
+    mixers = [layer.mixer for layer in model.layers if isinstance(layer, MambaBlock)]
+    for mix, dt in zip(mixers, deltas(model, idx)):
+        A = mix.A                                                  # (di, n)
+        # exp(dt*A) is largest at the largest dt where A > 0 and the smallest where A < 0
+        hi = torch.where(A > 0, dt.amax(dim=(0, 2))[:, None] * A, dt.amin(dim=(0, 2))[:, None] * A)
+        worst = max(worst, float(torch.exp(hi.max().double())))   # fp64: 1 - 1e-9 is not 1
+    return worst

@@ -1,0 +1,482 @@
+"""The training loop: `Trainer(cfg, out_dir).run()` from config to checkpoint.
+
+Each optimizer step draws the global batch from the device-side sampler, splits
+this process's share into micro-batches, accumulates gradients, clips, and steps
+AdamW at the learning rate the run's `Schedule` gives (sonata.train.schedule: warm-up and
+cosine over steps or over a time budget; it also says when the run ends). The batch,
+accumulation and precision come from the run's frozen `Plan` (sonata.train.plan); the
+MemoryGuard wraps each step (sonata.train.memory); data parallel adds DDP and the agreements
+of sonata.train.distributed; the summary is assembled by sonata.train.summary. docs/architecture.md
+describes how the pieces fit.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import threading
+import time
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from sonata import kernels
+from sonata.core import checkpoint as ckpt
+from sonata.core import inject
+from sonata.core.config import Config, resolve_profile
+from sonata.core.device import check_precision, resolve_device, sync
+from sonata.core.errors import CheckpointError
+from sonata.data.batches import BatchSampler, build_corpus
+from sonata.train import distributed
+from sonata.train import stops
+from sonata.train.autotune import choose_plan
+from sonata.train.evaluate import EvalResult, evaluate_stream
+from sonata.train.leak import InjectedLeak, LeakDetector
+from sonata.train.memory import (MemoryBudgetExceeded, MemoryGuard, available_ram_bytes, current_bytes,
+                           device_total_bytes, peak_memory_bytes, release_free_memory, steady_cpu_heap)
+from sonata.core.progress import Progress
+from sonata.core.rng import rng_state, seed_everything, set_rng_state
+from sonata.data.tasks import TaskSampler, evaluate_task, make_task
+from sonata.data.vocab import Vocab
+from sonata.model.lm import MambaLM, build_model
+from sonata.model.quant import set_int8
+from sonata.train.plan import Plan, plan_batch, resumed_inputs
+from sonata.train.schedule import Schedule, continue_in_steps
+from sonata.train.summary import Throughput, int8_report, run_summary
+from sonata.train.tensorboard_log import TensorBoardLog
+from sonata.train.update import Updater
+
+class _StopSignal:
+    """While training, SIGINT/SIGTERM set a flag; the loop stops between steps, so an
+    emergency checkpoint never catches an optimizer step half-applied."""
+
+    def __init__(self):
+        self.signum = None
+        self._old = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:        # a second signal: stop now
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _data(cfg: Config, state: dict | None, device, budget_bytes: int, progress):
+    """(task, corpus): a synthetic task's fresh sequences, or a corpus (language modeling; a
+    resumed run keeps its checkpoint's vocabulary)."""
+    if cfg.task.name:
+        return make_task(cfg.task), None
+    vocab = Vocab.from_state_dict(state["vocab"]) if state else None
+    return None, build_corpus(cfg.data, device, vocab=vocab, progress=progress, budget_bytes=budget_bytes)
+
+
+class Trainer:
+    """trainer = Trainer(cfg, out_dir); trainer.run() -> summary dict.
+
+    `state`: a checkpoint's dict to resume from (a budgeted run resumes in steps:
+    `continue_in_steps`); `progress`: auto | bar | lines | none.
+    `trainer.plan` is what the run trains with; `cfg` stays what was asked (but for
+    a resumed budgeted run's train.*, which `continue_in_steps` turns into steps)."""
+
+    def __init__(self, cfg: Config, out_dir=None, state: dict | None = None, progress: str | None = None):
+        cfg.validate()
+        saved_budget = (state or {}).get("config", {}).get("train", {}).get("max_seconds")
+        # the checkpoint's budget, time and steps when resuming a budgeted run (the summary says it)
+        self.resumed_budget = ({"max_seconds": saved_budget, "train_seconds": state.get("train_seconds", 0.0),
+                                "steps": state["step"]} if saved_budget else None)
+        if state:
+            cfg = replace(cfg, train=continue_in_steps(cfg.train, state)).validate()
+        self.cfg = cfg
+        t = cfg.train
+        dctx = distributed.init_from_env(t.device)       # world 1 without torchrun: nothing
+        self.world, self.rank = dctx.world, dctx.rank
+        self.is_main = dctx.rank == 0
+        self._net = None              # the DistributedDataParallel wrapper (world > 1, from run())
+        self._stop = None             # run()'s signal flag, agreed with the guard after each step
+        self._threads = t.threads or (distributed.local_threads(dctx.local_world)
+                                      if self.world > 1 and (dctx.device is None or dctx.device.type == "cpu")
+                                      else 0)     # per rank on CPU: cores // processes on this machine
+        if self._threads:
+            torch.set_num_threads(self._threads)
+        if self.world > 1 and not self.is_main:
+            progress = "none"
+        self.device = dctx.device if self.world > 1 else resolve_device(t.device)
+        self.profile = resolve_profile(cfg.profile, self.device.type, available_ram_bytes(),
+                                       device_total_bytes(self.device))
+        asked = resumed_inputs(t, state["config"], state.get("plan"), self.world) if state else t
+        self.plan: Plan = plan_batch(asked, self.profile, self.world)
+        check_precision(self.plan.precision, self.device)
+        if t.fixed_micro_batch:
+            warnings.warn(f"sonata: micro-batch {self.plan.how}", UserWarning, stacklevel=2)
+            if t.autotune:
+                warnings.warn("sonata: train.autotune is ignored: train.fixed_micro_batch is set",
+                              UserWarning, stacklevel=2)
+        self.autotune_result: dict | None = None
+        self.guard = MemoryGuard(self.profile.memory_budget_bytes, self.device,
+                                 what=("profile.memory_budget_mb" if cfg.profile.memory_budget_mb else
+                                       f"profile {self.profile.name}: {self.profile.budget_source}"))
+        self.leak = LeakDetector()
+        self.injected_leak = InjectedLeak(cfg.debug.leak)     # debug.leak: the micro-step hook
+        self.before_step: list = []                           # hooks(trainer) run before each step
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.progress_mode = progress
+        self.task, self.corpus = _data(cfg, state, self.device, self.profile.memory_budget_bytes, progress)
+        vocab_size = self.task.vocab_size if self.task else len(self.corpus.vocab)
+        self.cfg = cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab_size))   # the caller's stays
+        seed_everything(t.seed)
+        self.model = build_model(cfg).to(self.device)
+        set_int8(self.model, self.plan.precision == "int8")
+        # micro-steps, clip, the optimizer step or its skip (AdamW, fp16's GradScaler)
+        self.update = Updater(self.model, cfg, self.device, self.plan.precision, self.task, self.injected_leak)
+        self.optimizer, self.scaler = self.update.optimizer, self.update.scaler
+        self.sampler = (TaskSampler(self.task, cfg.data.seq_len, seed=t.seed, device=self.device,
+                                    curriculum=cfg.task.curriculum) if self.task
+                        else BatchSampler(self.corpus.train, cfg.data.seq_len, seed=t.seed, device=self.device))
+        self.step = 0
+        self.tokens = 0
+        self.schedule = Schedule(t)   # the learning rate, the budget, when to stop
+        self._step_s = 0.0            # this rank's time of the last train_step
+        self.step_start = None       # (sampler, rng) at the start of the step in progress (DDP)
+        self.checkpoint_seconds: list[float] = []
+        self.setup_seconds = 0.0      # before the first step of run() (autotuning, kernel warm-up)
+        self.eval_seconds = 0.0       # validation inside run()
+        self._last_save = time.monotonic()
+        self.resumed_from_step = int(state["step"]) if state else None
+        self.history: list[dict] = []
+        self._last_row: dict | None = None          # the metrics row of the last completed step
+        self._resumed_last_row: dict | None = None
+        self.emergency_reason: str | None = None
+        self._byte_len = (torch.from_numpy(self.corpus.vocab.byte_lengths).to(self.device)
+                          if self.corpus else None)
+        if state:
+            self.load_state_dict(state)
+            if self.autotune_result:
+                self.plan = self.plan.with_batch(self.plan.micro_batch,
+                                                 "autotuned before step 1 (recorded in the checkpoint)")
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """Everything a resume needs (what a checkpoint holds)."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "scheduler": {"kind": "warmup_cosine", "step": self.step},
+                "step": self.step, "micro_step": self.step * self.plan.accumulation * self.world,
+                "world_size": self.world,
+                "tokens": self.tokens, **self.schedule.state_dict(), "counters": dict(self.counters),
+                "consecutive_nonfinite": self.update.consecutive_nonfinite,
+                "sampler": self.sampler.state_dict(), "rng": rng_state(),
+                "vocab": self.corpus.vocab.state_dict() if self.corpus else None, "config": self.cfg.to_dict(),
+                "plan": self.plan.to_dict(), "last_row": self._last_row,
+                "launch_id": distributed.launch_id(),   # which launch wrote it (restarts resume only their own)
+                "profile": self.profile.to_dict(), "autotune": self.autotune_result}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The training state of `state_dict()` (the plan is resolved in __init__)."""
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            if state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
+            self.sampler.load_state_dict(state["sampler"])
+            self.step, self.tokens = int(state["step"]), int(state["tokens"])
+            self.schedule.load_state_dict(state)
+            self.counters.update(state.get("counters", {}))
+            self.update.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
+            self.autotune_result = state.get("autotune")
+            self._last_row = self._resumed_last_row = state.get("last_row")
+            set_rng_state(state["rng"])
+        except (KeyError, RuntimeError, ValueError, TypeError) as e:
+            raise CheckpointError(f"checkpoint does not match this configuration: {str(e).splitlines()[0][:200]}") from None
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def start_from(self, model_state: dict) -> None:
+        """A new run from another run's weights (`train --init`, notebook 08's second phase):
+        the model's parameters, nothing else (the optimizer, schedule and data start afresh).
+        Weights of another architecture or shape are a CheckpointError."""
+        try:
+            self.model.load_state_dict(model_state)
+        except (RuntimeError, KeyError) as e:
+            raise CheckpointError(f"the initial weights do not fit this model: {str(e).splitlines()[0][:200]}") from None
+
+    def model_is_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+
+    def save_checkpoint(self, path=None, any_rank: bool = False) -> Path | None:
+        """Atomic save; a model with NaN/Inf weights is never written over a good checkpoint.
+        Rank 0 writes (the state is the same on every rank) unless `any_rank` (a survivor
+        of a lost peer). With train.keep_checkpoints=K the last K are also kept by step."""
+        path = Path(path) if path else self.out_dir / "checkpoint.pt"
+        if not (self.is_main or any_rank):
+            return path
+        if not self.model_is_finite():
+            warnings.warn(f"sonata: model has non-finite weights at step {self.step}; "
+                          f"checkpoint {path} left as it was", RuntimeWarning, stacklevel=2)
+            return None
+        t0 = time.perf_counter()
+        ckpt.save(self.state_dict(), path)
+        if self.cfg.train.keep_checkpoints and path.name == "checkpoint.pt":
+            ckpt.keep_last(path, self.step, self.cfg.train.keep_checkpoints)
+        self.checkpoint_seconds.append(time.perf_counter() - t0)
+        self._last_save = time.monotonic()
+        return path
+
+    def _checkpoint_due(self, final: bool) -> bool:
+        """Every train.checkpoint_every steps, and when train.checkpoint_every_s passed since
+        the last checkpoint (the final one is written by _finish)."""
+        t = self.cfg.train
+        if not self.out_dir or final:
+            return False
+        return bool((t.checkpoint_every and self.step % t.checkpoint_every == 0) or
+                    (t.checkpoint_every_s and time.monotonic() - self._last_save >= t.checkpoint_every_s))
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, plan: Plan | None = None) -> dict:
+        """One optimizer step under `plan` (default: the run's); a non-finite loss or
+        gradient skips the update (counted). Returns the step's metrics row."""
+        plan = plan or self.plan
+        ddp = plan.world_size > 1
+        net = self._net if ddp and self._net is not None else self.model
+        if ddp:     # a peer lost inside this step: the survivors save the state of its start
+            self.step_start = (self.sampler.state_dict(), rng_state())
+        sync(self.device)
+        t0 = time.perf_counter()
+        lr = self._set_lr()
+        # the global batch's offsets, this rank's shard of rows (the whole batch at world 1)
+        x, y = self.sampler.draw(plan.effective_batch, shard=(self.rank, self.world) if ddp else (0, 1))
+        loss, gnorm, skipped = self.update(net, x, y, plan)
+        if self._threads and torch.get_num_threads() != self._threads:
+            # numba's OpenMP layer resets the OpenMP thread count when its pool starts (the
+            # first fused-kernel call): set ours again, so train.threads / threads per rank hold
+            torch.set_num_threads(self._threads)
+        sync(self.device)                       # the clock is read only once the device is done
+        dt = time.perf_counter() - t0
+        self._step_s = dt
+        n_tok = plan.effective_batch * x.shape[1]          # x: this rank's rows; a task's length may vary
+        self.step += 1
+        self.tokens += n_tok
+        self.step_start = None
+        row = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens, "step_tokens": n_tok,
+               "tok_per_s": n_tok / dt, "step_s": dt, "grad_norm": gnorm,
+               "skipped": skipped, "fallbacks": kernels.fallback_count()}
+        if self.cfg.debug.leak != "none":
+            row["debug_leak"] = self.cfg.debug.leak
+        return row
+
+    def _set_lr(self) -> float:
+        lr = self.schedule.lr(self.step)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        return lr
+
+    @property
+    def counters(self) -> dict:
+        """Skipped updates: nonfinite_steps, scaler_skipped_steps."""
+        return self.update.counters
+
+    @property
+    def train_seconds(self) -> float:
+        return self.schedule.train_seconds
+
+    @property
+    def stopped_by(self) -> str | None:
+        """After run(): "time" (the budget) or "steps"."""
+        return self.schedule.stopped_by
+
+    # ------------------------------------------------------------------ batch plan
+    def apply_autotune(self, progress: str | None = None) -> dict:
+        """Measure the profile's candidates (the trainer's state is restored after) and
+        train with the choice (data parallel: rank 0's, broadcast). Returns the result
+        as a dict; raises SonataError when no candidate is eligible."""
+        with self._bar(len(self.profile.candidates), "autotune", progress) as bar:
+            self.plan, self.autotune_result = choose_plan(self, progress=bar)
+        return self.autotune_result
+
+    def _bar(self, total: int, what: str, progress: str | None = None):
+        return contextlib.closing(Progress(total, what, self.progress_mode if progress is None else progress))
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, max_tokens: int | None = None, model: MambaLM | None = None,
+                 split: str = "validation", by_position: bool = False):
+        """Validation loss and bits per byte (the whole split unless train.eval_tokens or
+        `max_tokens` limit it); data parallel: sharded over the ranks, summed. `split`
+        "train": the same figures on the start of the training stream. `by_position`: also
+        the loss at each position of the window (one process). A task: loss and accuracy on
+        its fixed validation sequences at the training length (TaskEval)."""
+        t = self.cfg.train
+        if self.task:
+            k = self.cfg.task
+            return evaluate_task(model or self.model, self.task, self.cfg.data.seq_len, k.eval_seqs,
+                                 k.eval_seed, chunked=self.cfg.model.arch != "attention")
+        stream = {"validation": self.corpus.val, "train": self.corpus.train}[split]
+        return evaluate_stream(model or self.model, stream, self._byte_len, self.cfg.data.seq_len,
+                               max(16, self.plan.micro_batch), t.eval_tokens if max_tokens is None else max_tokens,
+                               self.plan.precision, (self.rank, self.world), by_position)
+
+    def _timed_evaluate(self):
+        t0 = time.perf_counter()
+        try:
+            return self.evaluate()
+        finally:
+            self.eval_seconds += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, on_step=None) -> dict:
+        """Train until the schedule says the run is over (train.max_steps, or a time budget of
+        train.max_seconds of training time: sonata.train.schedule) -> the summary. `on_step(trainer,
+        row)` may add fields to each row; train.eval_every stays in steps."""
+        t, sch = self.cfg.train, self.schedule
+        t_start = time.perf_counter()
+        with stops.on_lost_peer(self):           # autotuning and DDP's construction talk to the peers too
+            self._prepare()
+        self.setup_seconds = time.perf_counter() - t_start       # autotuning, DDP, kernel warm-up
+        metrics = self._open_metrics() if self.out_dir else None
+        tboard = TensorBoardLog(self.out_dir) if metrics and t.tensorboard else None
+        speed = Throughput()
+        last_eval: EvalResult | None = None
+        try:
+            with self._bar(*sch.bar(self.step)) as bar, _StopSignal() as stop, \
+                    stops.on_lost_peer(self):                  # inside: signals are still only flagged
+                self._stop = stop
+                while not sch.finished(self.step):
+                    # one optimizer step inside the memory guard (learning rate from the schedule)
+                    row, peak_all, signum = self._guarded_step()
+                    speed.add(row, row["step_tokens"])
+                    row["nonfinite_steps"] = self.counters["nonfinite_steps"]
+                    row["peak_mem_bytes"] = peak_all
+                    # follow memory (the leak detector warns once), then the caller's hook
+                    if self.leak.follow(row["mem_bytes"], row["step_tokens"]):
+                        warnings.warn(f"sonata: {self.leak.message()} (step {self.step})", RuntimeWarning,
+                                      stacklevel=2)
+                    if self.leak.enough:
+                        row["mem_slope_bytes_per_step"] = self.leak.slope()
+                    if on_step is not None:
+                        on_step(self, row)
+                    # evaluate when due, and after the last step
+                    final = sch.finished(self.step, row)
+                    if (t.eval_every and self.step % t.eval_every == 0) or final:
+                        last_eval = self._timed_evaluate()
+                        row.update(last_eval.fields())
+                    # log: the row to metrics.jsonl (and TensorBoard) when due
+                    self.history.append(row)
+                    due = self.step % t.log_every == 0 or final or "val_loss" in row or row["skipped"]
+                    # a checkpoint carries the row of its step: a resume writes it when the
+                    # file lacks it (rank 0 died after the step, a survivor saved)
+                    self._last_row = row if due else None
+                    if metrics and due:
+                        metrics.write(row)
+                        if tboard:
+                            tboard.write(row)
+                    # stop on divergence; checkpoint when due; stop on a signal (after saving)
+                    stops.diverged(self)
+                    if self._checkpoint_due(final):
+                        self.save_checkpoint()
+                    bar.update(sch.bar_units(bar), loss=row["loss"], **{"tok/s": round(row["tok_per_s"])},
+                               **({"val_bpb": row["val_bpb"]} if "val_bpb" in row else {}))
+                    if signum is not None:
+                        stops.interrupted(self, signum)
+        except MemoryBudgetExceeded as e:
+            done = self._last_row
+            if done is not None and done["step"] == self.step and (not self.history or self.history[-1] is not done):
+                self.history.append(done)            # a step the check after it tripped: logged too
+                if metrics:
+                    metrics.write(done)
+            raise stops.memory_tripped(self, e) from None
+        except KeyboardInterrupt:
+            # a second Ctrl-C mid-step: the step may be half-applied, so keep the last
+            # periodic checkpoint rather than writing this state over it
+            self.emergency_reason = "KeyboardInterrupt"
+            raise
+        finally:
+            if metrics:
+                metrics.close()
+            if tboard:
+                tboard.close()
+        sch.warn_if_capped()
+        with stops.on_lost_peer(self):           # the final evaluation and the peaks are collectives
+            inject.exit_point("finish", self.rank)            # test-only; nothing when unset
+            return self._finish(last_eval or self._timed_evaluate(), speed, t_start)
+
+    def _prepare(self) -> None:
+        """Before the first step: autotune when asked, the DDP wrapper, clean counters."""
+        t = self.cfg.train
+        kernels.reset_fallback_count()
+        if self.device.type == "cpu":
+            steady_cpu_heap()
+        release_free_memory(self.device)
+        if t.autotune and not t.fixed_micro_batch and self.autotune_result is None:
+            self.apply_autotune()
+        if t.max_seconds and self._net is None:        # (a DDP-wrapped model is warm already)
+            self.update.warm(self.plan, self.cfg.data.seq_len)
+        if self.world > 1 and self._net is None:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            inject.exit_point("prepare", self.rank)           # test-only; nothing when unset
+            with distributed.collective("DDP construction"):     # it broadcasts rank 0's weights
+                self._net = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        hook = inject.trip_hook(self.rank) if self.world > 1 else None      # test-only; None when unset
+        if hook is not None:
+            self.before_step.append(hook)
+        self._stop = None
+        self.leak.warned = False
+        self._last_save = time.monotonic()
+        self.schedule.start()
+
+    def _guarded_step(self) -> tuple[dict, int, int | None]:
+        """One step inside the memory guard: (row, peak memory, signal to stop on).
+        Data parallel: the guard's checks, the peaks and the signal are agreed over ranks."""
+        for hook in self.before_step:
+            hook(self)
+        sch = self.schedule
+        progress = sch.progress() if sch.budgeted else None      # what the step's rate is set from
+        row = None
+        try:
+            with self.guard.watch(self.step, self._agree if self.world > 1 else None) as watch:
+                row = self._last_row = self.train_step()   # the same dict gains its fields below
+        except MemoryBudgetExceeded:
+            if row is not None:          # the step completed; the check after it tripped: it counts,
+                row["mem_bytes"] = current_bytes(self.device)        # with its readings like any row
+                row["step_peak_bytes"] = self.guard.peak_last
+                sch.count(row["step_s"], row, progress)
+            raise
+        row["mem_bytes"], row["step_peak_bytes"] = watch.mem_bytes, watch.peak
+        if watch.maxima is None:
+            sch.count(row["step_s"], row, progress)
+            return row, peak_memory_bytes(self.device), self._stop.signum
+        peak_all, row["step_peak_bytes"], signum = (int(v) for v in watch.maxima[:3])
+        sch.count(watch.maxima[3], row, progress)     # every rank counts the same time
+        return row, peak_all, signum or None          # a later signal: the next step's turn
+
+    def _agree(self, err: MemoryBudgetExceeded | None, numbers) -> list[float]:
+        """The guard's agreement; after the step it also carries this rank's signal and
+        step time (the maximum over ranks is the step's training time everywhere)."""
+        extra = [*numbers, self._stop.signum or 0, self._step_s] if numbers is not None else []
+        return distributed.agree_on_trip(err, extra)
+
+    def _open_metrics(self) -> ckpt.MetricsLog | None:
+        if not self.is_main:
+            return None
+        return ckpt.MetricsLog(self.out_dir / "metrics.jsonl", through_step=self.step,
+                               last_row=self._resumed_last_row)
+
+    def _finish(self, last_eval: EvalResult, speed: Throughput, t_start: float) -> dict:
+        """The summary (sonata.train.summary), written with the final checkpoint on rank 0; its wall
+        time runs from `t_start` to after that checkpoint, so it holds every part it lists."""
+        if self.out_dir and self.is_main:
+            self.save_checkpoint()
+        summary = run_summary(self, last_eval, speed, time.perf_counter() - t_start)
+        if self.plan.precision == "int8":
+            summary.update(int8_report(self))
+        if self.out_dir and self.is_main:
+            ckpt.write_atomic(self.out_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode(),
+                              "summary")
+        return summary

@@ -1,0 +1,93 @@
+import pytest
+
+from sonata.core.config import Config, apply_overrides, describe_length, make_config, with_train_defaults
+from sonata.core.errors import ConfigError
+
+
+def test_defaults_are_the_seed_configuration():
+    cfg = make_config()
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.d_state, cfg.model.expand) == (96, 2, 16, 2)
+    assert cfg.data.seq_len == 128 and cfg.data.vocab_size == 512
+    assert cfg.model.dt_rank_ == 6 and cfg.model.d_inner == 192
+
+
+UNSET = {"data.vocab_size": 0, "train.lr": 0.0, "train.max_steps": 0, "train.max_seconds": 0.0}
+
+
+@pytest.mark.parametrize("source, vocab, lr, steps, seconds, line", [
+    ("embedded", 512, 3e-3, 1500, 0.0, "vocabulary 512, peak lr 0.003, 1,500 steps"),
+    ("tinystories", 2048, 6e-3, 0, 600.0, "vocabulary 2,048, peak lr 0.006, a 600 s time budget"),
+    ("/data/stories.txt", 2048, 6e-3, 0, 600.0, "vocabulary 2,048, peak lr 0.006, a 600 s time budget"),
+])
+def test_train_defaults_follow_the_data(source, vocab, lr, steps, seconds, line):
+    """make train / notebook 01: values left at 0 (or absent) take the defaults of the data."""
+    for given in ({"data.source": source, **UNSET}, {"data.source": source}):
+        cfg = make_config(with_train_defaults(given))
+        assert (cfg.data.vocab_size, cfg.train.lr, cfg.train.max_steps, cfg.train.max_seconds) == \
+            (vocab, lr, steps, seconds)
+        assert describe_length(cfg) == line
+        real = vocab == 2048                 # the race's winner on real text; the seed configuration embedded
+        assert (cfg.data.seq_len, cfg.train.effective_batch, cfg.train.weight_decay, cfg.train.precision) == \
+            ((512, 4, 0.3, "fast") if real else (128, 16, 0.1, "auto"))
+
+
+def test_train_defaults_never_replace_a_value_that_is_set():
+    real = {"data.source": "tinystories", **UNSET}
+    cfg = make_config(with_train_defaults({**real, "data.vocab_size": 1024, "train.lr": 1e-3}))
+    assert (cfg.data.vocab_size, cfg.train.lr, cfg.train.max_seconds) == (1024, 1e-3, 600.0)
+    cfg = make_config(with_train_defaults({**real, "data.seq_len": 128, "train.effective_batch": 16,
+                                           "train.precision": "fp32"}))
+    assert (cfg.data.seq_len, cfg.train.effective_batch, cfg.train.precision) == (128, 16, "fp32")
+    # a length set either way replaces the data's whole default length
+    cfg = make_config(with_train_defaults({**real, "train.max_steps": 300}))
+    assert (cfg.train.max_steps, cfg.train.max_seconds) == (300, 0.0)
+    assert describe_length(cfg) == "vocabulary 2,048, peak lr 0.006, 300 steps"
+    cfg = make_config(with_train_defaults({"data.source": "embedded", **UNSET, "train.max_seconds": 30.0}))
+    assert (cfg.train.max_steps, cfg.train.max_seconds, cfg.data.vocab_size) == (0, 30.0, 512)
+    cfg = make_config(with_train_defaults({**real, "train.max_seconds": 30.0, "train.max_steps": 50}))
+    assert describe_length(cfg) == "vocabulary 2,048, peak lr 0.006, a 30 s time budget, at most 50 steps"
+    # the command line and the seed configuration are untouched by them
+    assert make_config(["data.source=tinystories"]).data.vocab_size == 512
+
+
+def test_overrides_are_parsed_by_field_type():
+    cfg = make_config(["model.d_model=64", "train.lr=1e-3", "data.source=/tmp/x.txt",
+                       "train.micro_batch=4", "train.effective_batch=8"])
+    assert cfg.model.d_model == 64 and isinstance(cfg.model.d_model, int)
+    assert cfg.train.lr == 1e-3 and cfg.data.source == "/tmp/x.txt"
+    assert cfg.train.accumulation == 2
+
+
+@pytest.mark.parametrize("override,fragment", [
+    ("model.d_modle=64", "unknown config key 'model.d_modle'"),
+    ("modle.d_model=64", "unknown config section 'modle'"),
+    ("model.d_model=abc", "not an integer"),
+    ("train.lr=fast", "not a number"),
+    ("model.d_model=0", "model.d_model must be positive"),
+    ("model.backend=gpu", "model.backend must be"),
+    ("train.micro_batch=-1", "train.micro_batch must be >= 0"),
+    ("train.precision=fp8", "train.precision must be auto, fast or one of"),
+    ("d_model=3", "section.name"),
+    ("model.d_model", "key=value"),
+])
+def test_bad_overrides_name_the_problem(override, fragment):
+    with pytest.raises(ConfigError, match=None) as e:
+        apply_overrides(Config(), [override])
+    assert fragment in str(e.value)
+
+
+def test_effective_batch_must_be_a_multiple_of_the_micro_batch():
+    with pytest.raises(ConfigError, match="multiple of train.micro_batch"):
+        make_config(["train.effective_batch=16", "train.micro_batch=3"])
+    with pytest.raises(ConfigError, match="not both"):
+        make_config(["train.fixed_micro_batch=8", "train.micro_batch=4"])
+
+
+def test_round_trip_through_dict():
+    cfg = make_config(["model.d_model=48", "train.seed=7"])
+    again = Config.from_dict(cfg.to_dict())
+    assert again == cfg
+    d = cfg.to_dict()
+    d["train"]["bogus"] = 1
+    with pytest.raises(ConfigError, match="train.bogus"):
+        Config.from_dict(d)
