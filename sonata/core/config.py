@@ -260,6 +260,9 @@ class Config:
         _check(m.arch != "gpt2" or not self.task.name,
                "model.arch=gpt2 is the language-model race's baseline; a task trains mamba, lti or attention")
         _check(m.arch != "gpt2" or t.precision != "int8", "train.precision=int8 needs a sonata model, not gpt2")
+        _check(not m.a_constraint or m.arch in ("mamba", "lti"),
+               f"model.a_constraint=true needs a state-space model (model.arch=mamba or lti): "
+               f"model.arch={m.arch} has no A to constrain")
         _check(m.n_layers > 0, "model.n_layers must be positive")
         _check(m.d_state > 0, "model.d_state must be positive")
         _check(m.expand > 0, "model.expand must be positive")

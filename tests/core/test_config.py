@@ -91,3 +91,20 @@ def test_round_trip_through_dict():
     d["train"]["bogus"] = 1
     with pytest.raises(ConfigError, match="train.bogus"):
         Config.from_dict(d)
+
+
+@pytest.mark.parametrize("arch", ["attention", "gpt2"])
+def test_a_constraint_is_refused_up_front_for_a_model_without_A(arch):
+    """Issue 42 item 7: before, `model.a_constraint=true` with attention or gpt2 passed the
+    check and crashed with a traceback after the first optimizer step."""
+    with pytest.raises(ConfigError, match=f"model.arch={arch} has no A to constrain"):
+        make_config([f"model.arch={arch}", "model.a_constraint=true"])
+    for ssm in ("mamba", "lti"):
+        assert make_config([f"model.arch={ssm}", "model.a_constraint=true"]).model.a_constraint
+
+
+def test_a_constraint_with_attention_is_one_error_line_on_the_command_line(tmp_path):
+    from conftest import _assert_one_error_line, run_cli
+    r = run_cli("train", "--out", str(tmp_path / "run"), "model.arch=attention", "model.a_constraint=true",
+                "train.max_steps=2")
+    _assert_one_error_line(r, "has no A to constrain")
