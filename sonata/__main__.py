@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -237,6 +238,10 @@ def cmd_generate(args) -> int:
 
     if args.n < 1 or args.max_new_tokens < 0:
         raise SonataError("--n must be >= 1 and --max-new-tokens >= 0")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise SonataError(f"--temperature must be a finite number >= 0 (0: greedy), not {args.temperature}")
+    if args.top_k < 0:
+        raise SonataError(f"--top-k must be >= 0 (0: the whole vocabulary), not {args.top_k}")
     model, vocab, cfg = load_text_model(args.checkpoint)
     if cfg.model.arch != "mamba":
         raise SonataError(f"generation needs a Mamba model (model.arch=mamba); this one is {cfg.model.arch!r}")

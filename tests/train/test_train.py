@@ -73,6 +73,9 @@ def test_cli_train_then_generate(tmp_path):
     (["train", "data.source=/nonexistent/stories.txt"], "data file not found"),
     (["train", "--resume", "/nonexistent/checkpoint.pt"], "checkpoint not found"),
     (["generate", "/nonexistent/checkpoint.pt"], "checkpoint not found"),
+    (["generate", "/nonexistent/checkpoint.pt", "--top-k", "-3"], "--top-k must be >= 0"),       # issue 42 item 12
+    (["generate", "/nonexistent/checkpoint.pt", "--temperature", "nan"], "--temperature must be a finite"),
+    (["generate", "/nonexistent/checkpoint.pt", "--temperature", "-1"], "--temperature must be a finite"),
     (["frobnicate"], "invalid choice"),
     (["train", "--out", "/proc/x/y"], "output folder /proc/x/y cannot be created or written"),
     (["prepare", "data.cache_dir=/proc/x"], "data.cache_dir /proc/x cannot be created or written"),
