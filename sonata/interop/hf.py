@@ -148,10 +148,11 @@ def export_hf(model: MambaLM, vocab: Vocab | None, out_dir, cfg: Config | None =
     Atomic: everything is written into a temporary folder beside `out_dir`, which is renamed
     into place only when complete (a kill or a full disk leaves no half-written export). A
     folder that exists and is not empty is refused unless `force`, which replaces it whole
-    (`--hf .` in a project must not write over its README)."""
+    (`--hf .` in a project must not write over its README); an empty folder (`--hf .` in a
+    fresh one, say) is filled in place. The folder gets the usual mode under the umask."""
     st = _require_safetensors()
     tensors = hf_state_dict(model)                       # refuses before anything is written
-    out = Path(out_dir)
+    out = Path(os.path.abspath(out_dir))                # `--hf .` names the folder it is
     if out.exists() and not out.is_dir():
         raise SonataError(f"--hf {out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -159,6 +160,9 @@ def export_hf(model: MambaLM, vocab: Vocab | None, out_dir, cfg: Config | None =
                           f"(or --force to replace it and everything in it)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)                        # mkdtemp's 0700 is not an export's mode
     try:
         conf = hf_config(model)
         st.save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -173,7 +177,11 @@ def export_hf(model: MambaLM, vocab: Vocab | None, out_dir, cfg: Config | None =
         if cfg is not None:
             (tmp / SONATA_CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         (tmp / "README.md").write_text(_readme(conf, model.num_params()))
-        if out.exists():                                 # empty, or replaced with force
+        if out.is_dir() and not any(out.iterdir()):      # empty (the current folder, say): filled
+            for f in sorted(tmp.iterdir()):              # in place, so whoever stands in it stays
+                f.rename(out / f.name)
+            tmp.rmdir()
+        elif out.exists():                               # replaced whole, with force
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             out.rename(old)
             tmp.rename(out)

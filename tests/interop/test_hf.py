@@ -170,6 +170,27 @@ def test_export_refuses_a_folder_that_is_not_empty_and_force_replaces_it_whole(t
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
+def test_export_into_the_current_empty_folder_fills_it_in_place_with_a_normal_mode(tmp_path):
+    """Issue 42 items 11 and 19: `export --hf .` gave a traceback (a path with an empty name)
+    even in an empty folder, and every export folder came out mode 0700 (mkdtemp's). Now `.`
+    names the folder it is, an empty one is filled in place (a shell standing in it stays
+    there), and the folder gets the usual mode under the umask."""
+    m = _sonata(seed=8)
+    path = _checkpoint(tmp_path, m)
+    here = tmp_path / "here"
+    here.mkdir()
+    inode = here.stat().st_ino
+    r = subprocess.run([sys.executable, "-m", "sonata", "export", str(path), "--hf", "."], cwd=here,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert (here / "model.safetensors").exists() and here.stat().st_ino == inode
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    umask = os.umask(0)
+    os.umask(umask)
+    fresh = export_hf(m, _vocab(), tmp_path / "fresh")
+    assert fresh.stat().st_mode & 0o777 == 0o777 & ~umask
+
+
 def test_import_refuses_shards_outside_the_folder(tmp_path):
     m = _sonata(seed=9)
     export_hf(m, _vocab(), tmp_path / "hf")
