@@ -388,7 +388,10 @@ class Trainer:
         except MemoryBudgetExceeded as e:
             done = self._last_row
             if done is not None and done["step"] == self.step and (not self.history or self.history[-1] is not done):
-                self.history.append(done)            # a step the check after it tripped: logged too
+                speed.add(done, done["step_tokens"])  # a step the check after it tripped: it counts,
+                done["nonfinite_steps"] = self.counters["nonfinite_steps"]   # with every row's fields,
+                done["peak_mem_bytes"] = max(peak_memory_bytes(self.device), done["step_peak_bytes"])
+                self.history.append(done)            # and is logged too
                 if metrics:
                     metrics.write(done)
             raise stops.memory_tripped(self, e) from None

@@ -239,4 +239,9 @@ def test_a_step_the_check_after_it_trips_is_logged_with_its_memory(tmp_path):
     assert all(r["mem_bytes"] > 0 and r["step_peak_bytes"] > 0 for r in tr.history)
     rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 3 and rows[-1]["mem_bytes"] > 0
+    # issue 42 item 4: the bench read h2d_bytes of every row and failed with KeyError on this one
+    fields = set(tr.history[0])
+    assert all(set(r) >= fields - {"mem_slope_bytes_per_step"} for r in tr.history), \
+        [sorted(fields - set(r)) for r in tr.history]
+    assert all(r["h2d_bytes"] >= 0 and r["d2h_bytes"] >= 0 for r in tr.history)
 
