@@ -16,16 +16,25 @@ import torch.nn.functional as F
 def import_mambapy():
     """mambapy's LM imports its Mamba-2 module, which needs mamba_ssm's Triton ops at
     import time. We only use Mamba-1 (pure PyTorch parallel scan), so stand-ins for
-    those names are enough to import it."""
-    if "mamba_ssm" not in sys.modules:
+    those names are enough to import it. A real mamba_ssm is left alone; sonata's own shim
+    (`sonata.interop.mamba_ssm.install()`, which may already be in sys.modules) keeps what it
+    serves and gains only the stand-ins it lacks."""
+    real = "mamba_ssm" in sys.modules and not getattr(sys.modules["mamba_ssm"], "__sonata_shim__", False)
+    if not real:
         def _unavailable(*a, **k):
             raise RuntimeError("mamba_ssm is not installed; Mamba-2 is not benchmarked")
         names = ["mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton",
                  "mamba_ssm.ops.triton.ssd_combined", "mamba_ssm.ops.triton.layernorm_gated"]
         for n in names:
-            sys.modules[n] = types.ModuleType(n)
+            if n not in sys.modules:
+                sys.modules[n] = types.ModuleType(n)
+                if "." in n:
+                    parent, _, leaf = n.rpartition(".")
+                    setattr(sys.modules[parent], leaf, sys.modules[n])
         ssd = sys.modules["mamba_ssm.ops.triton.ssd_combined"]
-        ssd.mamba_chunk_scan_combined = ssd.mamba_split_conv1d_scan_combined = _unavailable
+        for fn in ("mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined"):
+            if not hasattr(ssd, fn):
+                setattr(ssd, fn, _unavailable)
     import mambapy.lm
     import mambapy.mamba
     import mambapy.pscan
