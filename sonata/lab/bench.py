@@ -163,9 +163,7 @@ def run_once(overrides, steps: int, warmup: int, window: int, seed: int | None =
     seq_tokens = tr.plan.effective_batch * cfg.data.seq_len
     wins = _windows(hist, warmup, window, seq_tokens)
     total_s = sum(r["step_s"] for r in hist)
-    leak = LeakDetector()
-    for r in hist:
-        leak.record(r["mem_bytes"])
+    leak = replay_leak(hist)
     rec = RunRecord(
         seed=cfg.train.seed, steps_done=len(hist), losses=[r["loss"] for r in hist],
         step_s=[r["step_s"] for r in hist], mem_bytes=[r["mem_bytes"] for r in hist],
@@ -179,6 +177,16 @@ def run_once(overrides, steps: int, warmup: int, window: int, seed: int | None =
         stopped=stopped, guard_tripped=tripped, warnings=notes, steps_for_rate=warmup + window,
         steps_for_leak=leak.needed)
     return rec, tr
+
+
+def replay_leak(history: list[dict]) -> LeakDetector:
+    """The leak detector over a run's rows, by the trainer's own rule (`LeakDetector.follow`:
+    the allowance scales with each step's tokens, a stage of another size starts afresh), so
+    the bench and the trainer never disagree about the same run."""
+    leak = LeakDetector()
+    for r in history:
+        leak.follow(r["mem_bytes"], r["step_tokens"])
+    return leak
 
 
 def run_bench(overrides=(), steps: int = DEFAULT_STEPS, warmup: int = DEFAULT_WARMUP,

@@ -124,3 +124,22 @@ def test_single_process_commands_refuse_torchrun(command):
     r = subprocess.run([sys.executable, "-m", "sonata", command], capture_output=True, text=True,
                        cwd=REPO, timeout=120, env={**os.environ, "WORLD_SIZE": "2"})
     _assert_one_error_line(r, f"'{command}' runs in one process, not under torchrun")
+
+
+def test_the_bench_judges_leaks_by_the_trainers_rule():
+    """Issue 42 item 9: the bench judged growth by a fixed 256 KiB per step while the trainer
+    scales its allowance with the step's tokens; a big step's memory growth within the
+    trainer's allowance was a leak for the bench. One rule now: the trainer's."""
+    from sonata.lab.bench import replay_leak
+    from sonata.train.leak import LeakDetector, leak_threshold
+    tokens = 32768                                      # notebook 08's steps: 2 MiB allowed
+    rows = [{"mem_bytes": 500 * 2**20 + i * 400 * 1024 + (i % 3) * 1024, "step_tokens": tokens}
+            for i in range(80)]                         # +400 KiB per step, very steady
+    trainer = LeakDetector()
+    for r in rows:
+        trainer.follow(r["mem_bytes"], r["step_tokens"])
+    bench = replay_leak(rows)
+    assert leak_threshold(tokens) > 400 * 1024
+    assert bench.leaking() == trainer.leaking() is False
+    leaky = [dict(r, mem_bytes=r["mem_bytes"] + i * 4 * 2**20) for i, r in enumerate(rows)]
+    assert replay_leak(leaky).leaking()                 # +4.4 MiB per step is a leak either way
