@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="train a model; writes DIR/metrics.jsonl and DIR/checkpoint.pt")
     tr.add_argument("--out", help="output folder (default: runs/<time>, or the resumed run's folder)")
     tr.add_argument("--resume", help="checkpoint to continue from")
+    tr.add_argument("--force", action="store_true",
+                    help="start a new run in an --out folder that holds a run, removing that run's files")
     tr.add_argument("--init", metavar="CHECKPOINT",
                     help="start a new run from a checkpoint's weights (fresh optimizer, schedule and data)")
     tr.add_argument("--progress", default=None, help=" | ".join(MODES))
@@ -101,6 +103,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _claim_run_folder(out, resume, force: bool) -> None:
+    """A new run never writes into a folder that holds another run: one error line pointing at
+    --resume (to continue it) or --force (to replace it: that run's files are removed first).
+    Resuming a checkpoint of the folder itself continues that run."""
+    from sonata.core import checkpoint as ckpt
+
+    found = ckpt.run_files(out)
+    if not found or (resume and Path(resume).resolve().parent == Path(out).resolve()):
+        return
+    if not force:
+        names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
+        hint = (f"--resume {Path(out) / 'checkpoint.pt'} continues it"
+                if (Path(out) / "checkpoint.pt").exists() else "choose another --out")
+        raise SonataError(f"--out {out} holds a run ({names}): {hint}, or --force replaces it")
+    for p in found:
+        p.unlink(missing_ok=True)
+
+
 def cmd_train(args) -> int:
     import os
 
@@ -111,6 +131,10 @@ def cmd_train(args) -> int:
 
     out = args.out or (str(Path(args.resume).parent) if args.resume
                        else f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    if not args.resume:                      # a typo in an override creates no folder
+        apply_overrides(Config(), args.overrides)
+    if distributed.restart_count() == 0:     # a restarted worker continues its own launch's run
+        _claim_run_folder(out, args.resume, args.force)
     writable_dir(out, "output folder")       # before any work: one error line, not a traceback
     if args.nproc is not None:
         if args.nproc < 1:

@@ -157,6 +157,22 @@ class MetricsLog:
             pass
 
 
+RUN_FILES = ("checkpoint.pt", "metrics.jsonl", "summary.json", "model_int8.pt")
+
+
+def run_files(folder) -> list[Path]:
+    """The files of a training run in `folder` (what a run writes there: its checkpoint and
+    kept copies, metrics, summary, int8 export, TensorBoard events), sorted; [] for a folder
+    that holds no run or does not exist."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = [folder / n for n in RUN_FILES if (folder / n).exists()]
+    found += folder.glob("checkpoint-step*.pt")
+    found += folder.glob("events.out.tfevents.*")
+    return sorted(set(found))
+
+
 def keep_last(path, step: int, k: int) -> None:
     """Keep a copy of checkpoint `path` as `<stem>-step<N>.pt` (a hard link: no second
     write) and remove all but the last `k` such copies."""

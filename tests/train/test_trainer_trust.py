@@ -228,3 +228,28 @@ def test_resume_writes_the_row_of_the_checkpoints_step_when_the_file_lacks_it(tm
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6, 7]
     assert rows[4] == json.loads(lines[-1])
+
+
+def test_a_new_run_never_overwrites_a_run_folder(tmp_path):
+    """Issue 42 item 1: `train --out k` twice exited 0 both times, the second run truncating
+    the first's metrics and replacing its checkpoint. Now the second is one error line that
+    points at --resume or --force and changes nothing; --force replaces the run; resuming the
+    folder's own checkpoint continues it; a typo in an override creates no folder."""
+    out = tmp_path / "k"
+    args = ["train", "--out", str(out), *tiny_overrides(**{"train.max_steps": 3})]
+    assert run_cli(*args).returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    r = run_cli(*args)
+    _assert_one_error_line(r, f"--resume {out / 'checkpoint.pt'} continues it, or --force replaces it")
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    r = run_cli(*args[:3], "--resume", str(out / "checkpoint.pt"), "train.max_steps=5")
+    assert r.returncode == 0, r.stderr
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 5
+    r = run_cli(*args, "--force")
+    assert r.returncode == 0, r.stderr
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    runs = tmp_path / "cwd"
+    runs.mkdir()
+    r = run_cli("train", "model.d_modle=3", cwd=runs)
+    _assert_one_error_line(r, "unknown config key 'model.d_modle'")
+    assert list(runs.iterdir()) == []                    # no empty runs/<time>/ left behind
