@@ -1,0 +1,171 @@
+"""Triton SSD kernels, part 2: the three backward kernels (derivation in triton.py's docstring).
+
+    _dstate_kernel          E_c = sum_i exp(a_0 + .. + a_i) dy_i C_i^T: what chunk c's outputs
+                            ask of the state it starts from
+    _state_pass_bwd_kernel  the reverse recurrence dS_c = G_c dS_{c+1} + E_c from dfinal;
+                            stores dS_{c+1} (the gradient of chunk c's own state) and the
+                            per-tile partials of dG_c = <dS_{c+1}, S_c>
+    _chunk_bwd_kernel       everything local to one chunk: dx, dz, dD, dB, dC (per head),
+                            and the log-decay gradient -> ddt, dA, ddt_bias
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from sonata.kernels.ssd.triton_fwd import (
+    _chunk_lanes, _decay_from_start, _decay_to_end, _dt_chain, _load, _mm, _reset_counts,
+    _segment_decay, _sigmoid,
+)
+
+
+@triton.jit
+def _dstate_kernel(
+    DOUT, Z, C, DT, A, RST,                       # inputs
+    E,                                            # output (b, n_chunks, h, p, n) ACC
+    L, H, P, N, chunk, n_chunks, heads_per_group, n_pblocks,
+    HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, N_PAD: tl.constexpr, ACC: tl.constexpr,
+):
+    """grid (b, n_chunks, h * n_pblocks): E_c = (decay-from-start * dy)^T C, one dot."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    h = tl.program_id(2) // n_pblocks
+    offs_p = (tl.program_id(2) % n_pblocks) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, N_PAD)
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+    t, real = _chunk_lanes(c, chunk, L, BLOCK_Q)
+    a = _load(DT, (b * H + h) * L + t, real, ACC) * tl.load(A + h).to(ACC)
+    r, r_prev, r_end = _reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ, BLOCK_Q)
+    w = _decay_from_start(a, r == r_prev)
+    mqp = real[:, None] & mask_p[None, :]
+    xo = ((b * L + t) * H + h)[:, None] * P + offs_p[None, :]
+    dy = _load(DOUT, xo, mqp, ACC)
+    if HAS_Z:
+        z = _load(Z, xo, mqp, ACC)
+        dy = dy * z * _sigmoid(z)
+    go = ((b * L + t) * (H // heads_per_group) + h // heads_per_group)[:, None] * N + offs_n[None, :]
+    Cm = _load(C, go, real[:, None] & mask_n[None, :], ACC)
+    e_c = _mm(tl.trans(dy * w[:, None]), Cm, ACC)                           # (BLOCK_P, N_PAD)
+    offs = (((b * n_chunks + c) * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]
+    tl.store(E + offs, e_c, mask=mask_p[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _state_pass_bwd_kernel(
+    E, G, START, DFINAL,                          # inputs
+    DNEXT, DG_PART, DINIT,                        # outputs (ACC)
+    H, P, N, n_chunks, n_pblocks,
+    HAS_INIT: tl.constexpr, BLOCK_P: tl.constexpr, N_PAD: tl.constexpr, ACC: tl.constexpr,
+):
+    """grid (b, h, n_pblocks): the chunks from last to first, one gradient tile held.
+    DG_PART (b, h, n_chunks, n_pblocks) holds this tile's share of dG_c; torch sums it."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    pb = tl.program_id(2)
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, N_PAD)
+    mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
+    own = ((b * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]
+    dS = _load(DFINAL, own, mask, ACC)                                        # dS_{n_chunks}
+    for ci in range(0, n_chunks):
+        c = n_chunks - 1 - ci
+        offs = (((b * n_chunks + c) * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]
+        tl.store(DNEXT + offs, dS, mask=mask)                                 # dS_{c+1}
+        s0 = _load(START, offs, mask, ACC)
+        tl.store(DG_PART + ((b * H + h) * n_chunks + c) * n_pblocks + pb,
+                 tl.sum(tl.sum(dS * s0, 1), 0))
+        dS = tl.load(G + (b * H + h) * n_chunks + c) * dS + _load(E, offs, mask, ACC)
+    if HAS_INIT:
+        tl.store(DINIT + own, dS, mask=mask)                                  # dS_0
+
+
+@triton.jit
+def _chunk_bwd_kernel(
+    X, DT_IN, DT_BIAS, A, B, C, D, Z, DOUT, Y, RST, DT, G, START, DNEXT, DG,   # inputs
+    DX, DZ, DDT, DB_H, DC_H, DA_PART, DD_PART, DBIAS_PART,                    # outputs
+    L, H, P, N, chunk, n_chunks, heads_per_group, lo, hi,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_SEQ: tl.constexpr,
+    BLOCK_Q: tl.constexpr, P_PAD: tl.constexpr, N_PAD: tl.constexpr, ACC: tl.constexpr,
+):
+    """grid (b, n_chunks, h): all of the head's channels at once (dB, dC and ddt sum over
+    them). dB and dC go out per head (b, l, h, n), the rest of the sums per (b, c, h)."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    h = tl.program_id(2)
+    offs_p = tl.arange(0, P_PAD)
+    offs_n = tl.arange(0, N_PAD)
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+    t, real = _chunk_lanes(c, chunk, L, BLOCK_Q)
+    dt = _load(DT, (b * H + h) * L + t, real, ACC)
+    A_h = tl.load(A + h).to(ACC)
+    a = dt * A_h
+    r, r_prev, r_end = _reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ, BLOCK_Q)
+    w = _decay_from_start(a, r == r_prev)                                     # (Q,)
+    e = _decay_to_end(a, r == r_end)                                          # (Q,)
+    decay = _segment_decay(a, r, BLOCK_Q)                                     # (Q, Q)
+
+    mqp = real[:, None] & mask_p[None, :]
+    mqn = real[:, None] & mask_n[None, :]
+    mpn = mask_p[:, None] & mask_n[None, :]
+    xo = ((b * L + t) * H + h)[:, None] * P + offs_p[None, :]
+    go = ((b * L + t) * (H // heads_per_group) + h // heads_per_group)[:, None] * N + offs_n[None, :]
+    x = _load(X, xo, mqp, ACC)                                                # (Q, P_PAD)
+    Bm = _load(B, go, mqn, ACC)                                               # (Q, N_PAD)
+    Cm = _load(C, go, mqn, ACC)
+    so = (((b * n_chunks + c) * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]
+    S0 = _load(START, so, mpn, ACC)                                           # S_c (P_PAD, N_PAD)
+    dSn = _load(DNEXT, so, mpn, ACC)                                          # dS_{c+1}
+
+    dy = _load(DOUT, xo, mqp, ACC)
+    if HAS_Z:
+        z = _load(Z, xo, mqp, ACC)
+        sz = _sigmoid(z)
+        dz = dy * _load(Y, xo, mqp, ACC) * sz * (1.0 + z * (1.0 - sz))       # d silu(z) / dz
+        tl.store(DZ + xo, dz.to(DZ.dtype.element_ty), mask=mqp)
+        dy = dy * z * sz
+
+    xdt = x * dt[:, None]
+    cb = _mm(Cm, tl.trans(Bm), ACC)                                           # (Q, Q) C_i . B_j
+    scores = cb * decay
+    dscores = _mm(dy, tl.trans(xdt), ACC)                                     # dy_i . xdt_j
+    dcb = dscores * decay
+    dseg = dscores * scores                 # d Loss / d (a_{j+1} + .. + a_i) of entry [i, j]
+    bd = _mm(Bm, tl.trans(dSn), ACC)                                          # (Q, P_PAD)
+    dxdt = _mm(tl.trans(scores), dy, ACC) + e[:, None] * bd
+    de = tl.sum(xdt * bd, 1)                                                  # d Loss / d e_j
+    dw = tl.sum(dy * _mm(Cm, tl.trans(S0), ACC), 1)                           # d Loss / d w_i
+    dC = _mm(dcb, Bm, ACC) + w[:, None] * _mm(dy, S0, ACC)                    # (Q, N_PAD)
+    dB = _mm(tl.trans(dcb), Cm, ACC) + e[:, None] * _mm(xdt, dSn, ACC)
+    ho = ((b * L + t) * H + h)[:, None] * N + offs_n[None, :]
+    tl.store(DC_H + ho, dC, mask=mqn)
+    tl.store(DB_H + ho, dB, mask=mqn)
+
+    # Log-decay gradient. Every exponent is a sum of a_k over a range of the chunk; written
+    # with prefix sums cum_i = a_0 + .. + a_i it is cum_i - cum_j (segments), cum_end - cum_j
+    # (e), cum_i (w) or cum_end (G), so d/d cum collects them and da_k = sum_{i >= k} dcum_i.
+    dew = de * e
+    dcum = tl.sum(dseg, 1) - tl.sum(dseg, 0) + dw * w - dew
+    end = tl.sum(dew, 0) + tl.load(DG + (b * H + h) * n_chunks + c) * \
+        tl.load(G + (b * H + h) * n_chunks + c)
+    dcum += tl.where(tl.arange(0, BLOCK_Q) == BLOCK_Q - 1, end, 0.0)
+    da = tl.cumsum(dcum, 0, reverse=True)
+    part = (b * n_chunks + c) * H + h
+    tl.store(DA_PART + part, tl.sum(tl.where(real, dt * da, 0.0), 0))
+    ddt = tl.sum(x * dxdt, 1) + A_h * da
+    raw = _load(DT_IN, (b * L + t) * H + h, real, ACC)
+    if HAS_BIAS:
+        raw += tl.load(DT_BIAS + h).to(ACC)
+    ddt = tl.where(real, _dt_chain(raw, ddt, lo, hi, SOFTPLUS, HAS_LIMIT), 0.0)
+    tl.store(DDT + (b * L + t) * H + h, ddt.to(DDT.dtype.element_ty), mask=real)
+    if HAS_BIAS:
+        tl.store(DBIAS_PART + part, tl.sum(ddt, 0))
+
+    dx = dxdt * dt[:, None]
+    if HAS_D:
+        dx += _load(D, h * P + offs_p, mask_p, ACC)[None, :] * dy
+        tl.store(DD_PART + part * P + offs_p, tl.sum(dy * x, 0), mask=mask_p)
+    tl.store(DX + xo, dx.to(DX.dtype.element_ty), mask=mqp)
