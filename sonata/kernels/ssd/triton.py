@@ -2,15 +2,22 @@
 
 STATUS: these kernels have been checked only under Triton's CPU interpreter
 (TRITON_INTERPRET=1, tests/kernels/test_ssd_triton.py); they have NOT run on a GPU yet.
-Compiling them for CUDA, their speed and their register use are unverified.
+They were compiled ahead of time for sm_90 without a GPU (Triton 3.9 and its bundled
+ptxas: every kernel builds, fp32/bf16 and fp64), never launched: results on a GPU, speed
+and occupancy are unverified. ptxas reports register spills at Mamba-2 sizes (p 64, n 128),
+worst in the backward chunk kernel, which holds a whole head; nothing here is tuned.
 
 Semantics are those of `ssd_recurrent_ref` (sonata/kernels/ssd/reference.py), with
 mamba_ssm's `mamba_chunk_scan_combined` shapes: x (b, l, h, p), dt (b, l, h), A (h,),
 B, C (b, l, g, n), head i reading group i // (h // g). Written from the chunked algorithm
 of the Mamba-2 paper (section 6), the same four steps as `ssd_chunked_ref`.
 
-Algorithm. Time is cut into chunks of Q = chunk_size steps. With a_t = dt_t A the
-log-decay of step t, inside a chunk:
+Algorithm. Time is cut into chunks of Q = min(chunk_size, chunk_cap(n)) steps. The
+result does not depend on the chunking (only the rounding does) and a program holds a
+whole chunk, so longer chunks (mamba_ssm's default is 256) run as shorter ones: 64 steps,
+fewer for wide states (Q * n <= 4096: 32 for n = 128). At Q = 256 ptxas spilled tens of
+kilobytes and the chunk-scan kernel had not compiled after 15 minutes.
+With a_t = dt_t A the log-decay of step t, inside a chunk:
   1. `_dt_kernel`: dt (bias, softplus, clamp) and the whole chunk's decay G_c = exp(sum a);
   2. `_chunk_state_kernel`: the chunk's own state, B^T (decay-to-end * dt * x), one dot;
   3. `_state_pass_kernel`: S_{c+1} = G_c S_c + state_c from the initial state, sequential
@@ -64,14 +71,24 @@ import triton
 import triton.language as tl
 
 from sonata.kernels.ssd.reference import boundaries, compute_dtype
-from sonata.kernels.ssd.triton_bwd import _chunk_bwd_kernel, _dstate_kernel, _state_pass_bwd_kernel
+from sonata.kernels.ssd.triton_bwd import (
+    _chunk_bwd_kernel,
+    _dstate_kernel,
+    _state_pass_bwd_kernel,
+)
 from sonata.kernels.ssd.triton_fwd import (
-    _chunk_scan_kernel, _chunk_state_kernel, _dt_kernel, _state_pass_kernel,
+    _chunk_scan_kernel,
+    _chunk_state_kernel,
+    _dt_kernel,
+    _state_pass_kernel,
 )
 
 # Tests set this so every output and intermediate starts as NaN: an element a kernel
 # forgets to write cannot pass a comparison.
 POISON_OUTPUTS = False
+
+# The longest chunk the kernels tile (see the module docstring and `chunk_cap`).
+MAX_CHUNK = 64
 
 # Whether these kernels run in Triton's CPU interpreter (fixed when triton was imported).
 INTERPRETED = type(_dt_kernel).__name__ == "InterpretedFunction"
@@ -87,10 +104,15 @@ class LaunchConfig:
     num_warps: int
 
 
+def chunk_cap(n: int) -> int:
+    """The longest chunk run for state size n: MAX_CHUNK, fewer steps for wide states."""
+    return max(16, min(MAX_CHUNK, 4096 // triton.next_power_of_2(max(int(n), 16))))
+
+
 def launch_config(chunk: int, h: int, p: int, n: int, block_p: int | None = None) -> LaunchConfig:
     """Tile sizes from the shapes alone (forward and backward agree). Under the
     interpreter per-op overhead dominates, so channel blocks are as wide as allowed."""
-    pow2 = lambda v: triton.next_power_of_2(max(int(v), 16))                 # noqa: E731
+    pow2 = lambda v: triton.next_power_of_2(max(int(v), 16))
     block_q, p_pad, n_pad = pow2(chunk), pow2(p), pow2(n)
     if block_p is None:
         block_p = p_pad if INTERPRETED else min(p_pad, 64)
@@ -125,7 +147,8 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, init, rst, chunk, softplus, limit, c
     nc = triton.cdiv(L, chunk)
     n_pb = triton.cdiv(p, cfg.block_p)
     lo, hi = float(limit[0]), float(limit[1])
-    flags = dict(HAS_SEQ=rst is not None, BLOCK_Q=cfg.block_q, N_PAD=cfg.n_pad, ACC=_acc(x))
+    flags = {"HAS_SEQ": rst is not None, "BLOCK_Q": cfg.block_q, "N_PAD": cfg.n_pad,
+             "ACC": _acc(x)}
     rst_ = rst if rst is not None else dt
     dt_p = _new((b, h, L), acc, dev)
     G = _new((b, h, nc), acc, dev)
@@ -163,7 +186,8 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, init, rst, chunk, sof
     nc = triton.cdiv(L, chunk)
     n_pb = triton.cdiv(p, cfg.block_p)
     lo, hi = float(limit[0]), float(limit[1])
-    flags = dict(HAS_SEQ=rst is not None, BLOCK_Q=cfg.block_q, N_PAD=cfg.n_pad, ACC=_acc(x))
+    flags = {"HAS_SEQ": rst is not None, "BLOCK_Q": cfg.block_q, "N_PAD": cfg.n_pad,
+             "ACC": _acc(x)}
     rst_ = rst if rst is not None else dt
     z_ = z if z is not None else x
 
@@ -219,7 +243,7 @@ class SSDTriton(torch.autograd.Function):
     def forward(ctx, x, dt, A, B, C, D, z, dt_bias, initial_states, rst, chunk_size,
                 dt_softplus, dt_limit, cfg):
         b, L, h, p = x.shape
-        g, n = B.shape[2], B.shape[3]
+        n = B.shape[3]
         acc = compute_dtype(x.dtype)
         D2 = None if D is None else (D[:, None].expand(h, p) if D.dim() == 1 else D)
         ins = [_contig(t) for t in (x, dt, A, B, C, D2, z, dt_bias)]
@@ -276,8 +300,10 @@ def ssd_triton(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial
                seq_idx=None, dt_softplus=False, dt_limit=(0.0, math.inf),
                return_final_states=False, *, block_p=None):
     """The SSD with `mamba_chunk_scan_combined`'s arguments (see the module docstring).
-    Returns out (b, l, h, p) in x's dtype, and with `return_final_states` also the final
-    state (b, h, p, n) in the accumulation dtype (float32, float64 for float64 input).
+    `chunk_size` is a tiling choice (capped by `chunk_cap`): the function computed does
+    not depend on it. Returns out (b, l, h, p) in x's dtype, and with
+    `return_final_states` also the final state (b, h, p, n) in the accumulation dtype
+    (float32; float64 for float64 input).
     `block_p` overrides the channel tile (tests, benchmarks)."""
     b, L, h, p = x.shape
     if dt.shape != (b, L, h) or A.shape != (h,):
@@ -286,11 +312,22 @@ def ssd_triton(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial
     if B.shape[:2] != (b, L) or C.shape != B.shape or h % B.shape[2]:
         raise ValueError(f"ssd_triton: B {tuple(B.shape)} / C {tuple(C.shape)} do not match "
                          f"x {tuple(x.shape)} (heads must be a multiple of groups)")
+    n = B.shape[3]
+    for name, t, shapes in (("D", D, ((h,), (h, p))), ("z", z, ((b, L, h, p),)),
+                            ("dt_bias", dt_bias, ((h,),)),
+                            ("initial_states", initial_states, ((b, h, p, n),))):
+        if t is not None and tuple(t.shape) not in shapes:
+            raise ValueError(f"ssd_triton: {name} of shape {tuple(t.shape)}, expected "
+                             f"{' or '.join(str(s) for s in shapes)}")
+    if not x.is_cuda and not INTERPRETED:
+        raise RuntimeError("ssd_triton: CPU tensors need the Triton interpreter "
+                           "(TRITON_INTERPRET=1 before triton is first imported)")
     chunk_size = int(chunk_size)
     if chunk_size < 1:
         raise ValueError(f"ssd_triton: chunk_size must be positive, got {chunk_size}")
+    chunk_size = min(chunk_size, chunk_cap(n))
     rst = _reset_counts(seq_idx, L, x.device) if seq_idx is not None and b * L else None
-    cfg = launch_config(chunk_size, h, p, B.shape[3], block_p)
+    cfg = launch_config(chunk_size, h, p, n, block_p)
     out, final = SSDTriton.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, rst,
                                  chunk_size, bool(dt_softplus), tuple(dt_limit), cfg)
     return (out, final) if return_final_states else out

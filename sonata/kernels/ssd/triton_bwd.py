@@ -14,8 +14,16 @@ import triton
 import triton.language as tl
 
 from sonata.kernels.ssd.triton_fwd import (
-    _chunk_lanes, _decay_from_start, _decay_to_end, _dt_chain, _load, _mm, _reset_counts,
-    _segment_decay, _sigmoid,
+    _chunk_lanes,
+    _decay_from_start,
+    _decay_to_end,
+    _dt_chain,
+    _group_offsets,
+    _load,
+    _mm,
+    _reset_counts,
+    _segment_decay,
+    _sigmoid,
 )
 
 
@@ -37,7 +45,7 @@ def _dstate_kernel(
     mask_n = offs_n < N
     t, real = _chunk_lanes(c, chunk, L, BLOCK_Q)
     a = _load(DT, (b * H + h) * L + t, real, ACC) * tl.load(A + h).to(ACC)
-    r, r_prev, r_end = _reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ, BLOCK_Q)
+    r, r_prev, _ = _reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ, BLOCK_Q)
     w = _decay_from_start(a, r == r_prev)
     mqp = real[:, None] & mask_p[None, :]
     xo = ((b * L + t) * H + h)[:, None] * P + offs_p[None, :]
@@ -45,7 +53,7 @@ def _dstate_kernel(
     if HAS_Z:
         z = _load(Z, xo, mqp, ACC)
         dy = dy * z * _sigmoid(z)
-    go = ((b * L + t) * (H // heads_per_group) + h // heads_per_group)[:, None] * N + offs_n[None, :]
+    go = _group_offsets(b, t, h, L, H, N, heads_per_group, offs_n)
     Cm = _load(C, go, real[:, None] & mask_n[None, :], ACC)
     e_c = _mm(tl.trans(dy * w[:, None]), Cm, ACC)                           # (BLOCK_P, N_PAD)
     offs = (((b * n_chunks + c) * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]
@@ -69,7 +77,7 @@ def _state_pass_bwd_kernel(
     mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
     own = ((b * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]
     dS = _load(DFINAL, own, mask, ACC)                                        # dS_{n_chunks}
-    for ci in range(0, n_chunks):
+    for ci in range(n_chunks):
         c = n_chunks - 1 - ci
         offs = (((b * n_chunks + c) * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]
         tl.store(DNEXT + offs, dS, mask=mask)                                 # dS_{c+1}
@@ -112,7 +120,7 @@ def _chunk_bwd_kernel(
     mqn = real[:, None] & mask_n[None, :]
     mpn = mask_p[:, None] & mask_n[None, :]
     xo = ((b * L + t) * H + h)[:, None] * P + offs_p[None, :]
-    go = ((b * L + t) * (H // heads_per_group) + h // heads_per_group)[:, None] * N + offs_n[None, :]
+    go = _group_offsets(b, t, h, L, H, N, heads_per_group, offs_n)
     x = _load(X, xo, mqp, ACC)                                                # (Q, P_PAD)
     Bm = _load(B, go, mqn, ACC)                                               # (Q, N_PAD)
     Cm = _load(C, go, mqn, ACC)

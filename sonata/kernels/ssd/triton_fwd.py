@@ -87,6 +87,13 @@ def _chunk_lanes(c, chunk, L, BLOCK_Q: tl.constexpr):
 
 
 @_helper
+def _group_offsets(b, t, h, L, H, N, heads_per_group, offs_n):
+    """(Q, N_PAD) offsets of B[b, t, g] or C[b, t, g] for head h (group g = h // (h/g))."""
+    row = (b * L + t) * (H // heads_per_group) + h // heads_per_group
+    return row[:, None] * N + offs_n[None, :]
+
+
+@_helper
 def _reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ: tl.constexpr, BLOCK_Q: tl.constexpr):
     """(r, r_prev, r_end): RST[b, t] counts the sequence starts at or before t, so a decay
     from step j to step i survives exactly when r_i == r_j. r_prev is the count before the
@@ -153,7 +160,7 @@ def _dt_kernel(
     dt = tl.where(m, _dt_value(raw, lo, hi, SOFTPLUS, HAS_LIMIT), 0.0)
     tl.store(DT + (b * H + offs_h[None, :]) * L + t[:, None], dt, mask=m)
     a_sum = tl.sum(dt * _load(A, offs_h, mask_h, ACC)[None, :], 0)          # (BLOCK_H,)
-    r, r_prev, r_end = _reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ, BLOCK_Q)
+    _, r_prev, r_end = _reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ, BLOCK_Q)
     g = tl.where(r_end == r_prev, tl.exp(a_sum), 0.0)
     tl.store(G + (b * H + offs_h) * n_chunks + c, g, mask=mask_h)
 
@@ -177,12 +184,11 @@ def _chunk_state_kernel(
     t, real = _chunk_lanes(c, chunk, L, BLOCK_Q)
     dt = _load(DT, (b * H + h) * L + t, real, ACC)
     a = dt * tl.load(A + h).to(ACC)
-    r, r_prev, r_end = _reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ, BLOCK_Q)
+    r, _, r_end = _reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ, BLOCK_Q)
     e = _decay_to_end(a, r == r_end)
     x = _load(X, ((b * L + t) * H + h)[:, None] * P + offs_p[None, :],
               real[:, None] & mask_p[None, :], ACC)                          # (Q, BLOCK_P)
-    g = h // heads_per_group
-    Bm = _load(B, ((b * L + t) * (H // heads_per_group) + g)[:, None] * N + offs_n[None, :],
+    Bm = _load(B, _group_offsets(b, t, h, L, H, N, heads_per_group, offs_n),
                real[:, None] & mask_n[None, :], ACC)                         # (Q, N_PAD)
     st = _mm(tl.trans(x * (dt * e)[:, None]), Bm, ACC)                       # (BLOCK_P, N_PAD)
     offs = (((b * n_chunks + c) * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]
@@ -191,8 +197,8 @@ def _chunk_state_kernel(
 
 @triton.jit
 def _state_pass_kernel(
-    STATES, G, INIT,                              # (b, n_chunks, h, p, n), (b, h, n_chunks), (b, h, p, n)
-    START, FINAL,                                 # outputs: START like STATES, FINAL like INIT (ACC)
+    STATES, G, INIT,              # (b, n_chunks, h, p, n), (b, h, n_chunks), (b, h, p, n)
+    START, FINAL,                 # outputs: START like STATES, FINAL like INIT (ACC)
     H, P, N, n_chunks, n_pblocks,
     HAS_INIT: tl.constexpr, BLOCK_P: tl.constexpr, N_PAD: tl.constexpr, ACC: tl.constexpr,
 ):
@@ -207,7 +213,7 @@ def _state_pass_kernel(
         S = _load(INIT, own, mask, ACC)
     else:
         S = tl.zeros((BLOCK_P, N_PAD), dtype=ACC)
-    for c in range(0, n_chunks):
+    for c in range(n_chunks):
         offs = (((b * n_chunks + c) * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]
         tl.store(START + offs, S, mask=mask)
         S = tl.load(G + (b * H + h) * n_chunks + c) * S + _load(STATES, offs, mask, ACC)
@@ -233,14 +239,14 @@ def _chunk_scan_kernel(
     t, real = _chunk_lanes(c, chunk, L, BLOCK_Q)
     dt = _load(DT, (b * H + h) * L + t, real, ACC)
     a = dt * tl.load(A + h).to(ACC)
-    r, r_prev, r_end = _reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ, BLOCK_Q)
+    r, r_prev, _ = _reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ, BLOCK_Q)
     w = _decay_from_start(a, r == r_prev)                                     # (Q,)
     decay = _segment_decay(a, r, BLOCK_Q)                                     # (Q, Q)
 
     mqp = real[:, None] & mask_p[None, :]
     mqn = real[:, None] & mask_n[None, :]
     xo = ((b * L + t) * H + h)[:, None] * P + offs_p[None, :]
-    go = ((b * L + t) * (H // heads_per_group) + h // heads_per_group)[:, None] * N + offs_n[None, :]
+    go = _group_offsets(b, t, h, L, H, N, heads_per_group, offs_n)
     x = _load(X, xo, mqp, ACC)                                                # (Q, BLOCK_P)
     Bm = _load(B, go, mqn, ACC)                                               # (Q, N_PAD)
     Cm = _load(C, go, mqn, ACC)
