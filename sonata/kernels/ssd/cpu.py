@@ -1,64 +1,74 @@
-"""The SSD (Mamba-2) scan on CPU: the chunked form on batched matrix multiplies, with a
-hand-written backward. Semantics, shapes and names are those of `reference.py`.
+"""The SSD (Mamba-2) scan on CPU: the chunked form on batched matrix multiplies and a
+hand-written backward. Semantics, shapes and names are `reference.py`'s.
 
-Blocks. Split the (padded) sequence into blocks of Q steps; inside a block let s_i be the
-inclusive cumulative sum of the log-decays a = dt A, X_i = dt_i x_i (p,), G_ij = C_i . B_j
-(the block's (Q, Q) matrix of the head's group, lower-triangular, zero across a reset) and
-S0 the state (p, n) the block starts from. Then, for i, j in the block,
+Blocks. Cut the (padded) sequence into blocks of Q steps. In a block let s_i be the inclusive
+cumulative sum of the log-decays a = dt A, X_i = dt_i x_i (p,), G_ij = C_i . B_j (the block's
+(Q, Q) matrix for the head's group: lower-triangular, zero across a seq_idx reset) and S0 the
+state (p, n) the block starts from:
 
-    y_i   = sum_{j<=i} G_ij exp(s_i - s_j) X_j  +  exp(s_i) S0 C_i            (intra + state)
-    S_end = exp(s_Q) S0  +  sum_j exp(s_Q - s_j) X_j B_j^T                      (next S0)
+    y_i   = sum_{j<=i} G_ij exp(s_i - s_j) X_j  +  exp(s_i) S0 C_i        (intra + from S0)
+    S_end = exp(s_Q) S0  +  sum_j exp(s_Q - s_j) X_j B_j^T                  (the next S0)
 
-and a loop over blocks carries S_end to the next block's S0 (one multiply-add per block).
+and one multiply-add per block carries S_end on. A reset zeroes every decay across it (a
+mask on G and on the per-position factors, never -inf in a sum).
 
-Factored decays. exp(s_i - s_j) = e_i f_j with e = exp(s - m), f = exp(m - s) for any
-constant m; with m the middle of the block's range of s, e and f stay within exp(+-R/2)
-when the block spans R e-folds. So the intra term is e o (G (f o X)): one (Q, Q) matrix per
-block and *group*, shared by all its heads, times a (Q, heads_per_group * p) matrix, and no
-(Q, Q) matrix per head is ever formed. The per-position factors e, f, exp(s), exp(s_Q - s)
-come from float64 cumulative sums (cheap: (b, l, h) numbers), so a decay is exact to a
-float32 rounding however long the block. The block length is min(chunk_size, BLOCK) made
-even over the sequence (ceil(L / ceil(L / Q))); the result does not depend on it beyond
-rounding. Where some block spans more than R_MAX e-folds the block is halved (not below
-MIN_BLOCK); where even that is too long (decays beyond ~4 e-folds a step) the per-head
-decay matrices exp(s_i - s_j) are formed explicitly instead (`explicit`, slower, exact).
+Factored decays. exp(s_i - s_j) = e_i f_j, e = exp(s - m), f = exp(m - s), for any m; with m
+the middle of the block's range of s, e and f stay within exp(+-R/2) when the block spans R
+e-folds. The intra term is then e o (G (f o X)): one (Q, Q) matrix per block and *group*,
+shared by its heads, times a (Q, heads_per_group * p) matrix; no per-head (Q, Q) matrix is
+ever formed. e, f, exp(s), exp(s_Q - s) come from float64 cumulative sums over (b, l, h)
+numbers, so each decay is exact to a float32 rounding however long the block; factors under
+1e-30 are flushed to zero (float32 denormals cost ~100x per multiply). Q = min(chunk_size,
+BLOCK), evened over the sequence (L = 300 runs 5 blocks of 60, not 64 + padding); the result
+does not depend on Q beyond rounding. A block spanning more than R_MAX e-folds is halved
+(not below MIN_BLOCK); beyond that (decays of ~4 e-folds a step) the per-head matrices
+W_ij = exp(s_i - s_j) are formed explicitly (`explicit`).
 
-Backward. With dY the gradient of y (the output before D and the gate) and dE the gradient
-of a block's S_end (dE of the last block = the final state's gradient):
+Backward. dY is the gradient of y (before D and the gate), dE that of a block's S_end (the
+final state's gradient for the last block):
 
-    dS0   = exp(s_Q) dE + sum_i exp(s_i) dY_i C_i^T             (= dE of the block before)
-    dX_j  = f_j (G^T (e o dY))_j  +  exp(s_Q - s_j) dE B_j
-    dG    = tril((e o dY)(f o X)^T)   (summed over the group's heads by the matmul)
-    dC    = dG B + (exp(s) o dY) S0^T,     dB = dG^T C + (exp(s_Q - s) o X) dE^T
+    dS0  = exp(s_Q) dE + sum_i exp(s_i) dY_i C_i^T                  (= dE of the block before)
+    dX_j = f_j (G^T (e o dY))_j + exp(s_Q - s_j) dE B_j + G_jj dY_j
+    dG   = tril((e o dY)(f o X)^T)  (summed over the group's heads by the matmul itself)
+    dC   = dG B + (exp(s) o dY) S0^T,     dB = dG^T C + (exp(s_Q - s) o X) dE^T
 
-and, since every decay is exp of a difference of s's, the gradient of s_i collapses to
-per-position dot products (no (Q, Q) work at all):
+Every decay is exp of a difference of s's, so the gradient of the log-decay a_k is the sum
+of the terms whose decay spans step k, and each family reduces to per-position dot products
+over p (no (Q, Q) work):
 
-    ds_i  = dY_i . y_i  -  X_i . dX_i  +  [i = Q-1] <dE, S_end>,   da_k = sum_{i>=k} ds_i
+    da_k = sum_{i>=k} exp(s_i) dY_i.(C_i S0)                         S0 -> y_i
+         + sum_{i>=k} e_i dY_i.(G (f o X))_i - sum_{j>=k} f_j X_j.(G^T (e o dY))_j
+                                                                     pairs j < k <= i
+         + sum_{j<k} exp(s_Q - s_j) X_j.(B_j dE)                     X_j -> S_end
+         + exp(s_Q) <dE, S0>                                         S0 -> S_end
 
-(row sums of dG o G o decay are dY . y, column sums are X . dX; the state terms add the
-last two). da gives dA = sum da dt and ddt = da A + x . dX; dx = dt dX + D dY; the gate,
-D, dt_bias/softplus/clamp follow by the chain rule. The forward saves the inputs and the
-block-start states (b, g, blocks, n, heads_per_group, p); the backward recomputes G, y and
-the rest.
+with G strictly lower in the pair sums (the diagonal's terms cancel exactly, so they are
+left out rather than left to cancel in float32). With explicit decays the pairs are summed
+directly from the per-head (Q, Q) products instead (exact where strong decays leave dA tiny).
+Then dA = sum da dt, ddt = da A + x . dX, dx = dt dX + D dY, and the gate, D, dt_bias,
+softplus and the clamp by the chain rule. The forward saves the inputs and the block-start
+states (b, g, nc, n, heads_per_group, p); the backward recomputes G, y and the rest. The
+elementwise passes around the matrix multiplies (output, gate, the dot products, dx) are
+one fused numba pass each (`cpu_fused.py`; torch ops when numba is missing, and in float64).
 
 Precision. float32 arithmetic (float64 for float64 inputs: gradcheck runs). Under
 torch.autocast("cpu", bfloat16) or with bfloat16 inputs the matrix multiplies take bfloat16
-operands when the CPU multiplies bfloat16 natively (AVX512-BF16 / AMX); decays, states and
-accumulations stay float32. Without such instructions (e.g. AVX2), PyTorch's bfloat16 GEMM
-measures ~30x slower than float32, so the operands stay float32 (SONATA_SSD_BF16_MATMUL=1
-forces bfloat16 operands, =0 forbids them). Deterministic: no atomics, fixed reduction
-order for a given thread count.
+operands where the CPU multiplies bfloat16 natively (AVX512-BF16 / AMX), except the two whose
+difference gives the pair terms of da; decays, states and sums stay float32. Without such
+instructions (AVX2), PyTorch's bfloat16 GEMM measured 12-30x slower than float32 here, so the
+operands stay float32 (SONATA_SSD_BF16_MATMUL=1 forces bfloat16, =0 forbids it).
+Deterministic: no atomics; the same inputs and thread count give bit-identical results.
 """
 from __future__ import annotations
 
 import math
 import os
-from functools import lru_cache
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 
+from sonata.kernels.ssd import cpu_fused
 from sonata.kernels.ssd.reference import boundaries
 
 BLOCK = 64          # the preferred block length on CPU (the quadratic part costs ~Q per step)
@@ -67,7 +77,7 @@ R_MAX = 120.0       # most e-folds one factored block may span: e, f within exp(
 POISON = False      # tests: fill every preallocated buffer with NaN first
 
 
-@lru_cache(maxsize=None)
+@cache
 def native_bf16() -> bool:
     """Whether bfloat16 matrix multiplies should run in bfloat16 here."""
     forced = os.environ.get("SONATA_SSD_BF16_MATMUL", "")
@@ -81,10 +91,8 @@ def native_bf16() -> bool:
     return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
-def _new(shape, like, zero=False):
+def _new(shape, like):
     t = like.new_empty(shape)
-    if zero:
-        return t.zero_()
     return t.fill_(math.nan) if POISON else t
 
 
@@ -195,7 +203,8 @@ class Decays:
             tri = torch.ones(blk.Q, blk.Q, dtype=torch.bool, device=a64.device).tril()
             same = (r[..., :, None] == r[..., None, :]) & tri             # (b, 1, nc, Q, Q)
             self.mask = same.expand(blk.b, blk.g, blk.nc, blk.Q, blk.Q).reshape(blk.nb, blk.Q, blk.Q)
-        flush = lambda t: t.masked_fill_(t < 1e-30, 0.0).to(ct)           # noqa: E731
+        tiny = 1e-30 if ct != torch.float64 else 1e-300
+        flush = lambda t: t.masked_fill_(t < tiny, 0.0).to(ct)
         self.fs, self.te, self.cd = flush(fs), flush(te), flush(cd)       # cd (b, g, nc, hg)
         if blk.explicit:                                                  # (b, g, nc, hg, Q, Q)
             st = s.transpose(-1, -2)
@@ -319,21 +328,13 @@ def ssd_forward(x, dt, A, B, C, D, z, dt_bias, init, seq_idx, softplus, limit, c
     st = _mm(su.Bb.transpose(1, 2), su.Xt().view(blk.nb, blk.Q, blk.K), mm_dtype)   # (nb, n, K)
     st = st.view(blk.b, blk.g, blk.nc, blk.n, blk.hg, blk.p)
     S0, final = pass_states(st, dec.cd, None if init is None else _state_layout(init.to(ct), blk))
-    y = su.from_states(S0, mm_dtype).mul_(_v(dec.fs)).addcmul_(su.intra(G, mm_dtype), _v(dec.e))
-    if D is not None:
-        y.addcmul_(su.xb, su.Dv)
-    if z is not None:
-        y.mul_(F.silu(blk.put(z.to(ct))))
+    y = cpu_fused.output(su, su.from_states(S0, mm_dtype), su.intra(G, mm_dtype), z)
     return blk.take(y).to(x.dtype), _state_out(final, blk), S0, su.plan
 
 
 def _revcum(t, dim):
     """sum over i >= k along dim."""
     return t.flip(dim).cumsum(dim).flip(dim)
-
-
-def _dot(a, b):
-    return (a * b).sum(-1)
 
 
 def _per_head(t, blk):
@@ -355,21 +356,14 @@ def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, init, seq_idx, S0,
     Gd = G.diagonal(dim1=1, dim2=2).clone().view(blk.b, blk.g, blk.nc, Q, 1)
     G.diagonal(dim1=1, dim2=2).zero_()
     raw_o = su.from_states(S0, mm_dtype)                                  # C S0
-    raw_y = su.intra(G, mm_dtype)                                         # G (f o X), strict
+    # raw_y and raw_s feed the log-decay gradient as a difference: both stay in ct, so a pair's
+    # two roundings match (bfloat16 operands there cost ~10x in dA)
+    raw_y = su.intra(G, ct)                                               # G (f o X), strict
     dout_b = blk.put(dout.to(ct) if dout is not None else torch.zeros_like(x, dtype=ct))
-    dz = None
-    if z is not None:
-        zb = blk.put(z.to(ct))
-        sz = torch.sigmoid(zb)
-        pre = (raw_o * _v(dec.fs)).addcmul_(raw_y, _v(dec.e)).addcmul_(xb, _v(dt_b * Gd))
-        if D is not None:
-            pre.addcmul_(xb, su.Dv)
-        dz = blk.take(pre.mul_(dout_b).mul_(sz * (1.0 + zb * (1.0 - sz)))).to(z.dtype)
-        dYb = dout_b * (zb * sz)
-    else:
-        dYb = dout_b
-    dYfs = (dYb * _v(dec.fs)).view(nb, Q, K)
-    dYe = (dYb * _v(dec.e)).view(nb, Q, K)
+    dYb, dz, dYfs, dYe, d_o, d_y, x_y = cpu_fused.gate(su, raw_o, raw_y, Gd, z, dout_b)
+    if dz is not None:
+        dz = blk.take(dz).to(z.dtype)
+    dYfs, dYe = dYfs.view(nb, Q, K), dYe.view(nb, Q, K)
     U = _mm(su.Cb.transpose(1, 2), dYfs, mm_dtype).view(S0.shape)       # (b, g, nc, n, hg, p)
     dE, dinit = pass_states_backward(
         U, dec.cd, None if dfinal is None else _state_layout(dfinal.to(ct), blk))
@@ -379,10 +373,13 @@ def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, init, seq_idx, S0,
     if blk.explicit:
         M = dec.W * G.view(blk.b, blk.g, blk.nc, 1, Q, Q)
         raw_s = torch.matmul(M.transpose(-1, -2), _heads(dYb)).transpose(3, 4)
-        P = torch.matmul(_heads(dYb), _heads(su.Xf).transpose(-1, -2))   # (b, g, nc, hg, Q, Q)
-        dG = (P * dec.W).sum(3).view(nb, Q, Q)
+        WP = torch.matmul(_heads(dYb), _heads(su.Xf).transpose(-1, -2)).mul_(dec.W)   # per head
+        dG = WP.sum(3).view(nb, Q, Q)
+        # the pairs j < k <= i summed directly (exact where strong decays make dA tiny)
+        c = (WP * G.view(blk.b, blk.g, blk.nc, 1, Q, Q)).to(f64)
+        pair_da = _revcum(c.cumsum(-1) - c, -2).diagonal(dim1=-2, dim2=-1).transpose(-1, -2)
     else:
-        raw_s = _mm(G.transpose(1, 2), dYe, mm_dtype).view(shape6)        # G^T (e o dY)
+        raw_s = _mm(G.transpose(1, 2), dYe, ct).view(shape6)              # G^T (e o dY)
         dG = _mm(dYe, Xf3.transpose(1, 2), mm_dtype)
     dG = dec.apply_mask(dG)                                               # (nb, Q, Q), diagonal kept
     dC = _mm(dG, su.Bb, mm_dtype).add_(_mm(dYfs, S0.reshape(nb, n, K).transpose(1, 2), mm_dtype))
@@ -391,18 +388,18 @@ def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, init, seq_idx, S0,
     # dX = f o raw_s + te o raw_e + Gd dY; the log-decays from per-position dot products,
     # each summed over the steps its decay spans (so no large sums cancel): S0 -> y_i (i >= k),
     # pairs j < k <= i, X_j -> S_end (j < k), S0 -> S_end (every k)
-    d_o, d_y = _dot(dYb, raw_o), _dot(dYb, raw_y)                        # (b, g, nc, Q, hg)
-    x_s, x_e, x_y = _dot(xb, raw_s), _dot(xb, raw_e), _dot(xb, dYb)
+    dxb, x_s, x_e = cpu_fused.epilogue(su, raw_s, raw_e, dYb, Gd)
     into_y = (dec.fs * d_o).to(f64)
-    pairs = (dec.e * d_y).to(f64) - (dt_b * dec.f * x_s).to(f64)
+    if blk.explicit:
+        da = _revcum(into_y, 3) + pair_da
+    else:
+        da = _revcum(into_y + (dec.e * d_y).to(f64) - (dt_b * dec.f * x_s).to(f64), 3)
     to_end = (dt_b * dec.te * x_e).to(f64)
     through = ((dE * S0).sum((3, 5)) * dec.cd).to(f64)                    # (b, g, nc, hg)
-    da = _revcum(into_y + pairs, 3) + (to_end.cumsum(3) - to_end) + through[:, :, :, None]
+    da += (to_end.cumsum(3) - to_end) + through[:, :, :, None]
     q = dec.f * x_s + dec.te * x_e + Gd * x_y                             # x . dX
-    dxb = (raw_s * _v(dt_b * dec.f)).addcmul_(raw_e, _v(dt_b * dec.te)).addcmul_(dYb, _v(dt_b * Gd))
     dD = None
     if D is not None:
-        dxb.addcmul_(dYb, su.Dv)
         dD = (x_y.sum((0, 2, 3)) if D.dim() == 1 else (xb * dYb).sum((0, 2, 3)))
         dD = _per_head(dD, blk).to(D.dtype)
     Ab = A.to(f64).view(1, blk.g, 1, 1, blk.hg)

@@ -1,0 +1,148 @@
+"""The SSD (Mamba-2) scan: one entry point with mamba_ssm's `mamba_chunk_scan_combined`
+arguments, several backends, and the recurrent decoding step.
+
+    ssd(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=None, initial_states=None,
+        seq_idx=None, dt_softplus=False, dt_limit=(0.0, inf), return_final_states=False,
+        backend="auto") -> out (b, l, h, p)  [, final_states (b, h, p, n)]
+    ssd_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+             dt_limit=(0.0, inf)) -> y (b, h, p), state updated in place
+
+Shapes and meaning are `reference.py`'s. Backends:
+  reference  the chunked form in plain PyTorch (`ssd_chunked_ref`, autograd through it)
+  recurrent  the step-by-step recurrence (`ssd_recurrent_ref`: the float64 oracle)
+  cpu        matrix multiplies with a hand-written backward (`cpu.py`)
+  triton     fused Triton kernels (`triton.py`; CUDA, or CPU tensors under TRITON_INTERPRET=1)
+  auto       triton on CUDA, cpu on CPU
+When a requested fast path cannot run (triton without a GPU or the interpreter, triton not
+importable, cpu asked for GPU tensors) the next best runs instead (cpu for CPU tensors, the
+reference otherwise) and sonata.kernels' process-wide fallback counter moves, warning once
+per reason. A sequence of length 0 returns at once (the initial state is the final one).
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import os
+
+import torch
+
+from sonata.kernels.ssd.cpu import ssd_cpu
+from sonata.kernels.ssd.reference import ssd_chunked_ref, ssd_recurrent_ref
+from sonata.kernels.ssd.step import ssd_step, ssd_step_ref
+
+BACKENDS = ("auto", "reference", "recurrent", "cpu", "triton")
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_triton = {}
+
+
+def _shape(t):
+    return tuple(t.shape)
+
+
+def check_inputs(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                 seq_idx=None, dt_limit=(0.0, math.inf)):
+    """ValueError naming the first argument that does not fit x (b, l, h, p) and B (b, l, g, n)."""
+    def bad(msg):
+        raise ValueError(f"ssd: {msg}")
+    if x.dim() != 4:
+        bad(f"x must be (batch, seqlen, nheads, headdim), got {_shape(x)}")
+    if x.dtype not in _FLOATS:
+        bad(f"x must be a floating tensor (float16/bfloat16/float32/float64), got {x.dtype}")
+    b, L, h, p = x.shape
+    if B.dim() != 4 or B.shape[:2] != (b, L):
+        bad(f"B must be (batch, seqlen, ngroups, dstate) = ({b}, {L}, g, n), got {_shape(B)}")
+    if C.shape != B.shape:
+        bad(f"C must have B's shape {_shape(B)}, got {_shape(C)}")
+    g, n = B.shape[2], B.shape[3]
+    if g < 1 or h % g:
+        bad(f"{h} heads cannot share {g} groups of B and C (nheads must be a multiple of ngroups)")
+    for name, t, want in (("dt", dt, (b, L, h)), ("A", A, (h,)), ("z", z, (b, L, h, p)),
+                          ("dt_bias", dt_bias, (h,)), ("initial_states", initial_states, (b, h, p, n)),
+                          ("seq_idx", seq_idx, (b, L))):
+        if t is not None and _shape(t) != want:
+            bad(f"{name} must be {want} for x {_shape(x)} and B {_shape(B)}, got {_shape(t)}")
+    if D is not None and _shape(D) not in ((h,), (h, p)):
+        bad(f"D must be ({h},) or ({h}, {p}), got {_shape(D)}")
+    if seq_idx is not None and (seq_idx.dtype.is_floating_point or seq_idx.dtype == torch.bool):
+        bad(f"seq_idx must hold integers, got {seq_idx.dtype}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        bad(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if len(dt_limit) != 2 or not dt_limit[0] <= dt_limit[1]:
+        bad(f"dt_limit must be (low, high) with low <= high, got {dt_limit!r}")
+    for name, t in (("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z),
+                    ("dt_bias", dt_bias), ("initial_states", initial_states), ("seq_idx", seq_idx)):
+        if t is not None and t.device != x.device:
+            bad(f"{name} is on {t.device}, x on {x.device}")
+
+
+def _interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _load_triton():
+    """(module, None) or (None, why it cannot be imported); a module once imported is kept."""
+    if "mod" not in _triton:
+        try:
+            _triton["mod"], _triton["why"] = importlib.import_module("sonata.kernels.ssd.triton"), None
+        except ImportError as e:
+            _triton["mod"], _triton["why"] = None, f"ssd triton backend unavailable ({e})"
+    return _triton["mod"], _triton["why"]
+
+
+def resolve_backend(backend: str, x: torch.Tensor) -> tuple[str, str | None]:
+    """Which backend runs for tensors like x: (name, why it is not the requested one)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown ssd backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend in ("reference", "recurrent"):
+        return backend, None
+    if backend == "auto":
+        backend = "triton" if x.is_cuda else "cpu"
+    on_cpu = x.device.type == "cpu"
+    if backend == "cpu":
+        return ("cpu", None) if on_cpu else ("reference", f"ssd cpu backend needs CPU tensors, got {x.device}")
+    instead = "cpu" if on_cpu else "reference"
+    if not x.is_cuda and not _interpreter_on():
+        return instead, "ssd triton backend needs a CUDA device (or TRITON_INTERPRET=1 for CPU tensors)"
+    mod, why = _load_triton()
+    if mod is None:
+        return instead, why
+    if not x.is_cuda and not getattr(mod, "INTERPRETED", True):
+        return instead, ("ssd triton kernels were compiled for CUDA: TRITON_INTERPRET=1 must be set "
+                         "before triton is first imported to run them on CPU tensors")
+    return "triton", None
+
+
+def ssd(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=None, initial_states=None,
+        seq_idx=None, dt_softplus=False, dt_limit=(0.0, math.inf), return_final_states=False,
+        backend="auto"):
+    """The SSD scan (module docstring)."""
+    check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit)
+    name, why = resolve_backend(backend, x)
+    if why is not None:
+        from sonata.kernels import (
+            _record_fallback,  # here: the dispatcher sits above this package
+        )
+        _record_fallback(why)
+    args = (x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus,
+            tuple(dt_limit), return_final_states)
+    if x.shape[1] == 0:
+        name = "recurrent"                              # nothing to compute
+    if name == "triton":
+        return _load_triton()[0].ssd_triton(*args)
+    impl = {"reference": ssd_chunked_ref, "recurrent": ssd_recurrent_ref, "cpu": ssd_cpu}[name]
+    return impl(*args[:5], chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
+                initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus,
+                dt_limit=tuple(dt_limit), return_final_states=return_final_states)
+
+
+__all__ = [
+    "BACKENDS",
+    "check_inputs",
+    "resolve_backend",
+    "ssd",
+    "ssd_chunked_ref",
+    "ssd_cpu",
+    "ssd_recurrent_ref",
+    "ssd_step",
+    "ssd_step_ref",
+]
