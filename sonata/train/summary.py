@@ -23,7 +23,10 @@ class Throughput:
         self.tokens, self.seconds, self.steps = 0, 0.0, 0
         self.h2d, self.d2h = h2d.bytes, d2h.bytes
 
-    def add(self, row: dict, step_tokens: int) -> None:
+    def add(self, row: dict, step_tokens: int, nonfinite_steps: int, peak_mem_bytes: int) -> None:
+        """Count a finished step and give its row the fields every row has (bytes copied, the
+        non-finite steps so far, the peak memory), whichever way the step ended."""
+        row["nonfinite_steps"], row["peak_mem_bytes"] = nonfinite_steps, peak_mem_bytes
         row["h2d_bytes"], row["d2h_bytes"] = h2d.bytes - self.h2d, d2h.bytes - self.d2h
         self.h2d, self.d2h = h2d.bytes, d2h.bytes
         self.steps += 1

@@ -351,9 +351,7 @@ class Trainer:
                 while not sch.finished(self.step):
                     # one optimizer step inside the memory guard (learning rate from the schedule)
                     row, peak_all, signum = self._guarded_step()
-                    speed.add(row, row["step_tokens"])
-                    row["nonfinite_steps"] = self.counters["nonfinite_steps"]
-                    row["peak_mem_bytes"] = peak_all
+                    speed.add(row, row["step_tokens"], self.counters["nonfinite_steps"], peak_all)
                     # follow memory (the leak detector warns once), then the caller's hook
                     if self.leak.follow(row["mem_bytes"], row["step_tokens"]):
                         warnings.warn(f"sonata: {self.leak.message()} (step {self.step})", RuntimeWarning,
@@ -388,10 +386,9 @@ class Trainer:
         except MemoryBudgetExceeded as e:
             done = self._last_row
             if done is not None and done["step"] == self.step and (not self.history or self.history[-1] is not done):
-                speed.add(done, done["step_tokens"])  # a step the check after it tripped: it counts,
-                done["nonfinite_steps"] = self.counters["nonfinite_steps"]   # with every row's fields,
-                done["peak_mem_bytes"] = max(peak_memory_bytes(self.device), done["step_peak_bytes"])
-                self.history.append(done)            # and is logged too
+                speed.add(done, done["step_tokens"], self.counters["nonfinite_steps"],   # a step the check
+                          max(peak_memory_bytes(self.device), done["step_peak_bytes"]))  # after it tripped
+                self.history.append(done)            # counts and is logged too, with every row's fields
                 if metrics:
                     metrics.write(done)
             raise stops.memory_tripped(self, e) from None
