@@ -17,7 +17,8 @@ from sonata.core.errors import ConfigError
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 
 
-ARCHS = ("mamba", "lti", "attention", "gpt2")
+ARCHS = ("mamba", "lti", "mamba2", "attention", "gpt2", "hybrid")
+BLOCKS = ("mamba", "lti", "mamba2", "attention")     # what a layer of `model.layers` may be
 
 
 @dataclass
@@ -40,10 +41,32 @@ class ModelConfig:
     a_min: float = 1e-4
     norm_eps: float = 1e-5      # RMSNorm epsilon (transformers' layer_norm_epsilon)
     n_heads: int = 4            # model.arch=attention / gpt2: heads (attention: d_model / n_heads must be even)
+    headdim: int = 32           # mamba2: channels per SSD head (d_inner / headdim heads)
+    ngroups: int = 1            # mamba2: groups of B and C, shared by nheads / ngroups heads each
+    chunk_size: int = 64        # mamba2: the SSD's chunk length (the result does not depend on it)
+    layers: str = ""            # a hybrid stack, one block per layer: e.g. mamba2,mamba2,attention,mamba2
+                                # (sets n_layers, and arch: the one kind, or hybrid); "": n_layers of arch
 
     @property
     def d_inner(self) -> int:
         return self.expand * self.d_model
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The block of each layer: `layers` split, or n_layers times arch."""
+        if self.layers:
+            return tuple(k.strip() for k in self.layers.split(","))
+        return (self.arch,) * self.n_layers
+
+    @property
+    def nheads(self) -> int:
+        """mamba2: SSD heads, d_inner / headdim."""
+        return self.d_inner // self.headdim if self.headdim > 0 else 0
+
+    @property
+    def recurrent(self) -> bool:
+        """Every layer a recurrent state-space block with a one-token step (mamba, mamba2)."""
+        return all(k in ("mamba", "mamba2") for k in self.kinds)
 
     @property
     def dt_rank_(self) -> int:
@@ -251,6 +274,22 @@ class Config:
     def validate(self) -> "Config":
         m, d, t = self.model, self.data, self.train
         _check(m.arch in ARCHS, f"model.arch must be one of {', '.join(ARCHS)}, not {m.arch!r}")
+        if m.layers:
+            _check(m.arch != "gpt2", "model.layers builds a sonata stack; model.arch=gpt2 is transformers' GPT-2")
+            bad = [k for k in m.kinds if k not in BLOCKS]
+            _check(not bad, f"model.layers: {bad[0] if bad else ''!r} is not a block; each layer is one of "
+                            f"{', '.join(BLOCKS)} (comma-separated)")
+            m.n_layers = len(m.kinds)
+            m.arch = m.kinds[0] if len(set(m.kinds)) == 1 else "hybrid"
+        _check(m.arch != "hybrid" or m.layers, "model.arch=hybrid needs model.layers (e.g. mamba2,attention)")
+        if "mamba2" in m.kinds:
+            _check(m.headdim > 0 and m.d_inner % m.headdim == 0,
+                   f"model.headdim ({m.headdim}) must divide d_inner = model.expand x model.d_model ({m.d_inner})")
+            _check(m.ngroups > 0 and m.nheads % m.ngroups == 0,
+                   f"model.ngroups ({m.ngroups}) must divide the {m.nheads} heads (d_inner / headdim)")
+            _check(m.chunk_size > 0, "model.chunk_size must be positive")
+            _check(m.a_param == "log", "model.a_param=direct is the Mamba-1 ablation; mamba2 layers keep "
+                                       "A = -exp(A_log) (model.a_param=log)")
         _check(m.d_model > 0, "model.d_model must be positive")
         _check(m.arch != "attention" or (m.n_heads > 0 and m.d_model % (2 * m.n_heads) == 0),
                f"model.n_heads ({m.n_heads}) must divide model.d_model ({m.d_model}) into heads of even "
@@ -260,8 +299,8 @@ class Config:
         _check(m.arch != "gpt2" or not self.task.name,
                "model.arch=gpt2 is the language-model race's baseline; a task trains mamba, lti or attention")
         _check(m.arch != "gpt2" or t.precision != "int8", "train.precision=int8 needs a sonata model, not gpt2")
-        _check(not m.a_constraint or m.arch in ("mamba", "lti"),
-               f"model.a_constraint=true needs a state-space model (model.arch=mamba or lti): "
+        _check(not m.a_constraint or any(k in ("mamba", "lti", "mamba2") for k in m.kinds),
+               f"model.a_constraint=true needs a state-space model (model.arch=mamba, lti or mamba2): "
                f"model.arch={m.arch} has no A to constrain")
         _check(m.n_layers > 0, "model.n_layers must be positive")
         _check(m.d_state > 0, "model.d_state must be positive")

@@ -3,7 +3,8 @@ sequence at a time), `generate_reference` (its oracle, token by token), the next
 sampler, and the decoders. `Decoder(model, batch)` picks the engine once, when it is built:
 `FusedDecoder` (one numba call per token for every layer and the head: a float32 model on
 the CPU without int8) or `TorchDecoder` (the same step in preallocated torch buffers: any
-device, dtype, int8; the fused one's reference). Both keep the same states (every layer's
+device, dtype, int8; the fused one's reference) for Mamba-1; `StateDecoder` (the layers' own
+steps, SSD's fused) for stacks with Mamba-2 layers. Both keep the same states (every layer's
 conv ring buffer and SSM state, one tensor each) and prefill the same way.
 
 It reads a `sonata.model.lm.MambaLM`'s parameters by name and imports nothing from
@@ -85,6 +86,8 @@ class _Decoder:
         self.one_thread = (not self.fused and p.device.type == "cpu"
                            and b * c.d_model * 2 * di < ONE_THREAD_MACS)
         self._inside = False
+        if not all(k == "mamba" for k in c.kinds):
+            return                                                      # StateDecoder: the layers' own states
         with torch.inference_mode():
             # every layer's states in one tensor each, so the fused step takes them in one argument
             self.conv_state = p.new_zeros(nl, b, k, di)                 # ring buffers
@@ -237,11 +240,30 @@ class TorchDecoder(_Decoder):
         return self.logits
 
 
+class StateDecoder(_Decoder):
+    """Any recurrent stack with Mamba-2 layers (mamba2, or mamba and mamba2 mixed): the layers'
+    own `prefill` and `step`, the SSD layers stepping through the fused `ssd_step` (their state
+    updated in place)."""
+
+    def prefill(self, prompt) -> torch.Tensor:
+        with torch.inference_mode():
+            logits, self.states = self.model.prefill(prompt)
+        return logits
+
+    def _step(self, idx) -> torch.Tensor:
+        logits, self.states = self.model.step(idx, self.states)
+        return logits
+
+
 def Decoder(model: "MambaLM", batch: int, fused: bool | None = None) -> _Decoder:    # noqa: N802
     """The decoder for `model` at `batch` sequences, its engine picked here: fused=None, the
     fused step whenever it can run (a float32 model on the CPU, no int8, numba installed);
     True, required (a ValueError where it cannot); False, the torch step."""
     p = model.embedding.weight
+    if not all(k == "mamba" for k in model.cfg.kinds):
+        if fused:
+            raise ValueError("the fused decode step is Mamba-1's; a model with mamba2 layers steps its layers")
+        return StateDecoder(model, batch)
     int8 = any(getattr(m, "int8", False) for m in model.modules())
     can = p.device.type == "cpu" and p.dtype == torch.float32 and not int8
     if fused is True and not can:
@@ -315,4 +337,4 @@ def generate_reference(model: "MambaLM", prompt, max_new_tokens: int, temperatur
     return torch.cat(out, dim=1)
 
 
-__all__ = ["Decoder", "FusedDecoder", "TorchDecoder", "generate", "generate_reference", "sample_next"]
+__all__ = ["Decoder", "FusedDecoder", "StateDecoder", "TorchDecoder", "generate", "generate_reference", "sample_next"]

@@ -1,15 +1,19 @@
-"""The language model: pre-norm residual blocks and tied embeddings, one of three
-architectures (`ModelConfig.arch`):
+"""The language model: pre-norm residual blocks and tied embeddings, every layer one block
+family (`ModelConfig.arch`), or a hybrid stack named layer by layer (`model.layers`, e.g.
+mamba2,mamba2,attention,mamba2):
 
 - `mamba`: Mamba-1 blocks (the default). Names mirror state-spaces/mamba (in_proj, conv1d,
   x_proj, dt_proj, A_log, D, out_proj) so readers can move between codebases.
 - `lti`: the time-invariant ablation of the Mamba paper (its S4-in-a-Mamba-block row): the
   same block, but delta, B and C are learned parameters instead of functions of the input
   (delta per channel, B and C shared by the channels, as Mamba's B_t and C_t are).
+- `mamba2`: Mamba-2 (SSD) blocks, `sonata.model.mamba2`: one in_proj to z, x, B, C, dt, a
+  convolution over x, B and C, the SSD scan with one decay per head, a gated grouped RMSNorm.
 - `attention`: a causal multi-head attention baseline with rotary position embeddings
   (`torch.nn.functional.scaled_dot_product_attention`) and a GELU MLP, the same width.
 
-Blocks live one family per file: `sonata.model.mamba` (mamba, lti), `sonata.model.attention`;
+Blocks live one family per file: `sonata.model.mamba` (mamba, lti), `sonata.model.mamba2`,
+`sonata.model.attention` (what they share: `sonata.model.block`);
 `sonata.model.gpt2` is the race's GPT-2 (`build_model`). Every block's forward can take and return its recurrent state (the
 convolution window and the scan's state; attention: its keys and values so far), so a long
 sequence runs chunk by chunk and gives what one pass gives: `logits, state = model(ids,
@@ -30,6 +34,7 @@ from sonata.core.config import Config, ModelConfig
 from sonata.model import decode
 from sonata.model.attention import AttentionBlock
 from sonata.model.mamba import MambaBlock
+from sonata.model.mamba2 import Mamba2Block
 from sonata.model.norm import RMSNorm
 from sonata.model.quant import QLinear
 
@@ -41,8 +46,7 @@ class MambaLM(nn.Module):
             raise ValueError("ModelConfig.vocab_size must be set (from the vocabulary) before building")
         self.cfg = cfg
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        block = AttentionBlock if cfg.arch == "attention" else MambaBlock
-        self.layers = nn.ModuleList(block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(make_block(cfg, kind) for kind in cfg.kinds)
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps, backend=cfg.backend)
         self.lm_head = QLinear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.embedding.weight                     # tied
@@ -75,8 +79,16 @@ class MambaLM(nn.Module):
         return self.lm_head(self.norm_f(h)), new
 
     def _need_mamba(self, what: str) -> None:
-        if self.cfg.arch != "mamba":
-            raise ValueError(f"{what} needs model.arch=mamba (this model is {self.cfg.arch!r})")
+        if not self.cfg.recurrent:
+            raise ValueError(f"{what} needs a recurrent model (every layer mamba or mamba2; this model "
+                             f"is {self.cfg.arch!r}: {','.join(self.cfg.kinds)})")
+
+    @torch.no_grad()
+    def constrain_A(self, a_min: float) -> None:
+        """Project every state-space layer's A to A <= -a_min (attention layers have none)."""
+        for layer in self.layers:
+            if hasattr(layer.mixer if hasattr(layer, "mixer") else None, "constrain_A"):
+                layer.mixer.constrain_A(a_min)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -112,6 +124,15 @@ class MambaLM(nn.Module):
                            generator: torch.Generator | None = None, stop_token: int | None = None):
         """`generate`'s oracle, token by token (`sonata.model.decode.generate_reference`)."""
         return decode.generate_reference(self, prompt, max_new_tokens, temperature, top_k, generator, stop_token)
+
+
+def make_block(cfg: ModelConfig, kind: str) -> nn.Module:
+    """One layer of block family `kind` (mamba, lti, mamba2, attention)."""
+    if kind == "attention":
+        return AttentionBlock(cfg)
+    if kind == "mamba2":
+        return Mamba2Block(cfg)
+    return MambaBlock(cfg, kind)
 
 
 def build_model(cfg: Config) -> nn.Module:

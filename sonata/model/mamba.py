@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from sonata.core.config import ModelConfig
 from sonata.kernels import conv_silu, selective_scan
 from sonata.kernels.reference import project_delta, step as scan_step
-from sonata.model.norm import RMSNorm
+from sonata.model.block import PreNormBlock, dt_bias_init
 from sonata.model.quant import QLinear
 
 
@@ -179,31 +179,8 @@ class LTIMixer(MambaMixer):
                 self.C[None, :, None].expand(b, n, L).to(x.dtype), None)
 
 
-def dt_bias_init(cfg: ModelConfig) -> torch.Tensor:
-    """softplus^-1(dt) with dt log-uniform in [dt_min, dt_max] (at least dt_init_floor), per channel."""
-    dt = torch.exp(torch.rand(cfg.d_inner) * (math.log(cfg.dt_max) - math.log(cfg.dt_min))
-                   + math.log(cfg.dt_min)).clamp(min=cfg.dt_init_floor)
-    return dt + torch.log(-torch.expm1(-dt))
-
-
-class MambaBlock(nn.Module):
+class MambaBlock(PreNormBlock):
     """Pre-norm residual block: h + mixer(norm(h)); the mixer is Mamba's or the time-invariant one."""
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, backend=cfg.backend)
-        self.mixer = (LTIMixer if cfg.arch == "lti" else MambaMixer)(cfg)
-
-    def forward(self, h, state=None, return_state: bool = False):
-        if state is None and not return_state:
-            return h + self.mixer(self.norm(h))
-        y, state = self.mixer(self.norm(h), state, return_state=True)
-        return h + y, state
-
-    def step(self, h, state):
-        y, state = self.mixer.step(self.norm(h), state)
-        return h + y, state
-
-    def prefill(self, h):
-        y, state = self.mixer.prefill(self.norm(h))
-        return h + y, state
+    def __init__(self, cfg: ModelConfig, kind: str = ""):
+        super().__init__(cfg, (LTIMixer if (kind or cfg.arch) == "lti" else MambaMixer)(cfg))

@@ -1,10 +1,12 @@
-"""RMSNorm, the blocks' normalisation: fused on the `cpu` backend (sonata.kernels.rms_norm)."""
+"""RMSNorm, the blocks' normalisation: fused on the `cpu` backend (sonata.kernels.rms_norm), and
+Mamba-2's gated, grouped RMSNorm (`GatedRMSNorm`)."""
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
 from sonata.kernels import rms_norm
+from sonata.kernels.reference import rms_norm_gated_ref
 
 
 class RMSNorm(nn.Module):
@@ -18,3 +20,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         return rms_norm(x, self.weight, self.eps, backend=self.backend)
+
+
+class GatedRMSNorm(nn.Module):
+    """Mamba-2's output norm: norm(y * silu(z)) over groups of `group_size` channels (the
+    block's ngroups groups of d_inner / ngroups), times weight; transformers' MambaRMSNormGated
+    and mamba_ssm's RMSNormGated(norm_before_gate=False) (`rms_norm_gated_ref`)."""
+
+    def __init__(self, d: int, group_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps, self.group_size = eps, group_size
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, y, z=None):
+        return rms_norm_gated_ref(y, self.weight, z, self.eps, self.group_size, norm_before_gate=False)

@@ -112,8 +112,7 @@ class Updater:
             self.scaler.update()
             skipped = "scaler" if self.scaler.is_enabled() and self.scaler.get_scale() < scale else None
             if skipped is None and self.cfg.model.a_constraint:
-                for layer in self.model.layers:
-                    layer.mixer.constrain_A(self.cfg.model.a_min)
+                self.model.constrain_A(self.cfg.model.a_min)
         self.optimizer.zero_grad(set_to_none=True)
         return skipped
 

@@ -174,7 +174,8 @@ def test_attention_is_causal_and_rotary_keeps_relative_positions():
     assert max(dots) - min(dots) < 1e-4      # the score depends only on the distance (5)
 
 
-def test_only_mamba_generates():
-    m = MambaLM(ModelConfig(arch="lti", vocab_size=16, d_model=16))
-    with pytest.raises(ValueError, match="model.arch=mamba"):
+@pytest.mark.parametrize("kind", ["lti", "attention"])
+def test_only_recurrent_models_generate(kind):
+    m = MambaLM(ModelConfig(arch=kind, vocab_size=16, d_model=16))
+    with pytest.raises(ValueError, match="needs a recurrent model .* mamba or mamba2"):
         m.generate(torch.zeros(1, 2, dtype=torch.long), 3)

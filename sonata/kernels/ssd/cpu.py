@@ -457,5 +457,9 @@ def ssd_cpu(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=None, initial
     mm = matmul_dtype(x, B, C, ct) if mm_dtype is None else mm_dtype
     limit = (float(dt_limit[0]), float(dt_limit[1]))
     opts = (int(chunk_size), bool(dt_softplus), limit, mm, block)
+    # the blocked layout views its inputs: views of a wider projection (the Mamba-2 block's
+    # split of in_proj) are made contiguous first (a no-op for contiguous inputs)
+    x, dt, B, C = x.contiguous(), dt.contiguous(), B.contiguous(), C.contiguous()
+    z = None if z is None else z.contiguous()
     out, final = SSDFunction.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, opts)
     return (out, final) if return_final_states else out
