@@ -267,8 +267,9 @@ def cmd_generate(args) -> int:
     if args.top_k < 0:
         raise SonataError(f"--top-k must be >= 0 (0: the whole vocabulary), not {args.top_k}")
     model, vocab, cfg = load_text_model(args.checkpoint)
-    if cfg.model.arch != "mamba":
-        raise SonataError(f"generation needs a Mamba model (model.arch=mamba); this one is {cfg.model.arch!r}")
+    if not cfg.model.recurrent:
+        raise SonataError(f"generation needs a recurrent model (every layer mamba or mamba2); this one is "
+                          f"model.arch={cfg.model.arch} ({','.join(cfg.model.kinds)})")
     for i in range(args.n):             # streamed: each piece printed as soon as it is sampled
         print(f"--- sample {i + 1}\n{args.prompt}", end="", flush=True)
         for piece in stream_text(model, vocab, args.prompt, args.max_new_tokens, args.temperature,

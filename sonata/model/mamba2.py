@@ -112,9 +112,10 @@ class Mamba2Mixer(nn.Module):
         xBC = F.silu((conv_state * self.conv1d.weight.squeeze(1)).sum(-1) + self.conv1d.bias)
         gn = c.ngroups * c.d_state
         x, B, C = xBC.split([c.d_inner, gn, gn], dim=-1)
-        y = ssd_step(ssm_state, x.reshape(b, c.nheads, c.headdim).float(), dt.float(), self.A,
-                     B.reshape(b, c.ngroups, c.d_state).float(), C.reshape(b, c.ngroups, c.d_state).float(),
-                     D=self.D.float(), dt_bias=self.dt_bias.float(), dt_softplus=True)
+        ct = ssm_state.dtype                                            # float32 (float64 in tests)
+        y = ssd_step(ssm_state, x.reshape(b, c.nheads, c.headdim).to(ct), dt.to(ct), self.A.to(ct),
+                     B.reshape(b, c.ngroups, c.d_state).to(ct), C.reshape(b, c.ngroups, c.d_state).to(ct),
+                     D=self.D.to(ct), dt_bias=self.dt_bias.to(ct), dt_softplus=True)
         y = self.norm(y.reshape(b, c.d_inner).to(z.dtype), z)
         return self.out_proj(y), (conv_state, ssm_state)
 

@@ -130,7 +130,7 @@ def task_overrides(arch, **extra):
     return [f"{k}={v}" for k, v in o.items()]
 
 
-@pytest.mark.parametrize("arch", ["mamba", "lti", "attention"])
+@pytest.mark.parametrize("arch", ["mamba", "lti", "mamba2", "attention"])
 def test_every_architecture_trains_a_task_and_resumes_exactly(tmp_path, arch):
     """Ten steps in one run equal five, a checkpoint, and five more: every loss and weight."""
     whole = Trainer(make_config(task_overrides(arch, **{"train.max_steps": 10})), tmp_path / "a",
