@@ -30,9 +30,9 @@ INSIDE = {
     "model": [{"quant", "norm", "gpt2"}, {"block", "decode"}, {"mamba", "mamba2", "attention"}, {"lm"}],
     "train": [{"memory", "leak", "plan", "schedule", "tensorboard_log"},
               {"autotune", "distributed", "evaluate", "summary", "update", "stops"}, {"trainer"}],
-    "interop": [{"hf", "mamba_ssm"}, {"hf_accelerate"}],
+    "interop": [{"hf", "mamba2_ops", "mamba_ssm"}, {"hf_accelerate"}],
     "lab": [{"plots", "peers"}, {"timing", "generate"},
-            {"bench", "throughput", "race", "dynamics", "selection"}, {"speed"}, {"notebook"}],
+            {"bench", "throughput", "race", "dynamics", "selection", "ssd"}, {"speed"}, {"notebook"}],
     "entry": [{"launch"}, {"__main__"}],
 }
 ENTRY_POINTS = {"__main__", "launch"}

@@ -41,6 +41,9 @@ TINY = {
                                long_curriculum="32:2,64", long_budget_s=2, archs=["mamba", "lti", "attention"],
                                ablations=["default-dt", "fixed-64"], test_lengths=[16, 32], long_lengths=[64],
                                n_test=4, n_long=2, attention_eval_s=5, copy_region=16, copy_budget_s=2),
+    "09_mamba2_ssd.ipynb": dict(duality_length=40, block_length=32, block_chunk=8, lengths=[32, 64],
+                                time_repeat=1, states=[8, 16], cost_length=32, race_steps=3, race_d_model=16,
+                                race_seq_len=16, race_batch=2),
 }
 
 
@@ -225,6 +228,24 @@ def test_notebook_07_races_sonata_against_the_gpt_under_the_budget(tmp_path):
     ours, gpt, margin = float(line.group(1)), float(line.group(2)), float(line.group(4))
     assert line.group(3) == ("sonata" if ours < gpt else "GPT-2") and abs(margin - abs(ours - gpt)) < 2e-4
     assert _images(nb) == 2                       # the curve and the loss by position
+
+
+@pytest.mark.notebook
+def test_notebook_09_shows_the_duality_the_blocks_the_times_and_the_race(tmp_path):
+    nb, text = _run("09_mamba2_ssd.ipynb", tmp_path)
+    for form in ("recurrence (float64, the oracle)", "masked quadratic form, M x (float64)",
+                 "chunked, Q=64 (the paper's listing, float64)", "chunked, Q=64 (sonata's CPU fast path, float32)"):
+        assert form in text, form
+    worst = float(re.search(r"every form is within (\S+) of the recurrence", text).group(1))
+    assert worst < 1e-4
+    m = re.search(r"the (\d+) blocks below the diagonal have rank at most (\d+) \(N = 4\)", text)
+    assert m and int(m.group(1)) == 6 and int(m.group(2)) <= 4          # 4 chunks: 6 blocks below
+    assert "at L = 64 the chunked form takes" in text
+    for n in (8, 16):
+        assert f"N = {n}: Mamba-1 " in text
+    for row in ("mamba1-n16", "mamba2-n16", "mamba2-n64", "hybrid-n64"):
+        assert row in text, row
+    assert "mamba2,attention" in text and "after 3 steps of 2 x 16 tokens: lowest validation bits per byte" in text
 
 
 def test_speedrun_falls_back_to_the_embedded_corpus_and_says_so(monkeypatch):
@@ -414,6 +435,9 @@ OUT_OF_RANGE = {
                                                     "range; allowed: 1 to 10 values, each range 1e-06..10"),
     "06_generate": ("temperature", 6.0, "parameter temperature = 6.0 is out of range; allowed: range 0..5"),
     "07_ten_minute_speedrun": ("budget_s", 0.5, "parameter budget_s = 0.5 is out of range; allowed: range 1..7200"),
+    "09_mamba2_ssd": ("race_models", ["mamba2-n16", "mamba3"], "parameter race_models = ['mamba2-n16', 'mamba3'] "
+                      "holds 'mamba3', which is not allowed; allowed: 1 to 4 values, each one of mamba1-n16 | "
+                      "mamba2-n16 | mamba2-n64 | hybrid-n64"),
     "08_selection": ("long_curriculum", "64,128", "parameter long_curriculum = '64,128' is not length:steps pairs "
                                                   "then a last length; allowed: length:steps pairs, then a last length"),
 }

@@ -22,6 +22,7 @@ from sonata.core.config import PRESETS, TRAIN_DEFAULTS, make_config, parse_curri
 from sonata.core.errors import ConfigError, SonataError
 from sonata.lab.generate import load_text_model, stream_text
 from sonata.lab.race import STUDY07
+from sonata.lab.ssd import RACE09
 from sonata.train.trainer import Trainer
 
 
@@ -198,6 +199,17 @@ RANGES = {
         "n_test": Range(1, 4096), "n_long": Range(1, 4096), "attention_eval_s": Range(1, 86_400, float),
         "copy_region": Range(16, 8192), "copy_budget_s": Range(1, 7200, float), "seed": SEED, "out_dir": Text(),
     },
+    "09_mamba2_ssd": {
+        "duality_length": Range(1, 1024), "heads": Range(1, 16), "headdim": Range(1, 256),
+        "d_state": Range(1, 256), "chunk": Range(1, 1024), "block_length": Range(2, 512),
+        "block_chunk": Range(1, 512), "block_state": Range(1, 64),
+        "lengths": ListOf(Range(1, 16384), 1, 8), "quadratic_max": Range(1, 4096),
+        "recurrence_max": Range(1, 16384), "time_repeat": Range(1, 100),
+        "states": ListOf(Range(1, 256), 1, 8), "cost_length": Range(1, 8192),
+        "race_models": ListOf(OneOf(*RACE09), 1, len(RACE09)), "race_steps": Range(1, 100_000),
+        "race_d_model": Range(2, 1024), "race_layers": Range(2, 16), "race_seq_len": Range(8, 2048),
+        "race_batch": Range(1, 64), "seed": SEED,
+    },
 }
 
 
@@ -217,6 +229,10 @@ RULES = {
         (("scaling_processes", "effective_batch"), lambda ps, eff: all(eff % p == 0 for p in ps),
          "parameter scaling_processes = {scaling_processes!r} has a process count that does not divide "
          "effective_batch = {effective_batch} (each process trains effective_batch / processes sequences)")],
+    "09_mamba2_ssd": [
+        (("race_models", "race_d_model"), lambda ms, d: d % 2 == 0 or not any(m.startswith("hybrid") for m in ms),
+         "parameter race_d_model = {race_d_model} must be even for the hybrid row (attention rotates pairs "
+         "of channels)")],
 }
 
 

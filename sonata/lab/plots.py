@@ -280,3 +280,42 @@ def delta_heatmaps(panels: dict, tokens: list[str], title: str = "delta per posi
     axes[0, 0].set_title(title)
     fig.colorbar(im, ax=axes[:, 0].tolist(), label="log10 delta", fraction=0.03)
     return fig
+
+
+def ssd_blocks(M, chunk: int, title: str = "one head's SSD matrix M (log10 |M|)"):
+    """Notebook 09: the lower-triangular matrix of one SSD head with the chunk grid drawn: the
+    diagonal blocks are what the chunked form computes as small quadratic forms, the blocks
+    below them (rank <= N) what it passes through the chunks' states."""
+    m = M.detach().double().abs().numpy()
+    with np.errstate(divide="ignore"):
+        logm = np.where(m > 0, np.log10(np.maximum(m, 1e-300)), np.nan)
+    fig, ax = plt.subplots(figsize=(5.2, 4.4))
+    im = ax.imshow(logm, cmap="viridis", interpolation="nearest")
+    L = m.shape[0]
+    for k in range(chunk, L, chunk):
+        ax.axhline(k - 0.5, color="w", lw=0.8)
+        ax.axvline(k - 0.5, color="w", lw=0.8)
+    ax.set_xlabel("input position j")
+    ax.set_ylabel("output position i")
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax, label="log10 |M[i, j]| (blank: 0)")
+    fig.tight_layout()
+    return fig
+
+
+def form_times(rows: list[dict], title: str = "SSD forward time against sequence length"):
+    """Notebook 09: milliseconds of each form against L (log-log); missing points skipped."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for key in [k for k in rows[0] if k.endswith(" ms")]:
+        pts = [(r["L"], r[key]) for r in rows if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=key[:-3])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length L")
+    ax.set_ylabel("milliseconds (log scale)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return fig
