@@ -47,6 +47,8 @@ SPEEDRUN = {
 RACE_COMMON = {"data.vocab_size": 2048, "train.effective_batch": 16}
 GPT2_RACE = {"model.arch": "gpt2", "model.d_model": 80, "model.n_layers": 2, "model.n_heads": 4,
              "train.beta2": 0.95}
+BEST_LEVERS = {"train.lr": 6e-3, "train.precision": "fast", "data.seq_len": 512, "train.effective_batch": 4,
+               "train.weight_decay": 0.3}           # sonata-bf16-ctx512-wd0.3's, bf16 only where native
 RACE = {
     "sonata": {**RACE_COMMON, "train.lr": 6e-3},                       # the real-text defaults before issue 29
     "sonata-bf16": {**RACE_COMMON, "train.lr": 6e-3, "train.precision": "bf16"},
@@ -64,6 +66,16 @@ RACE = {
     "gpt2-lr6e-3": {**RACE_COMMON, **GPT2_RACE, "train.lr": 6e-3},
     "gpt2-lr1e-2": {**RACE_COMMON, **GPT2_RACE, "train.lr": 1e-2},
     "gpt2-lr6e-3-wd0.3": {**RACE_COMMON, **GPT2_RACE, "train.lr": 6e-3, "train.weight_decay": 0.3},
+    # issue 38: Mamba-2 (SSD) rows with sonata's best levers, one hybrid, and the GPT with the same
+    # precision lever (bf16 where native) at context 128 and 256
+    **{f"mamba2-n{n}-fast-ctx512-wd0.3": {**RACE_COMMON, **BEST_LEVERS, "model.arch": "mamba2", "model.d_state": n}
+       for n in (16, 64, 128)},
+    "hybrid-n64-fast-ctx512-wd0.3": {**RACE_COMMON, **BEST_LEVERS, "model.layers": "mamba2,attention",
+                                     "model.d_state": 64},
+    "gpt2-fast-lr6e-3-wd0.3": {**RACE_COMMON, **GPT2_RACE, "train.lr": 6e-3, "train.weight_decay": 0.3,
+                               "train.precision": "fast"},
+    "gpt2-fast-ctx256-lr6e-3-wd0.3": {**RACE_COMMON, **GPT2_RACE, "train.lr": 6e-3, "train.weight_decay": 0.3,
+                                      "train.precision": "fast", "data.seq_len": 256, "train.effective_batch": 8},
 }
 
 
