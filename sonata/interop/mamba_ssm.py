@@ -1,4 +1,5 @@
-"""mamba_ssm's Mamba-1 op surface on sonata's kernels: other people's Mamba code on a CPU.
+"""mamba_ssm's op surface on sonata's kernels (Mamba-1 here, Mamba-2 from `mamba2_ops`): other
+people's Mamba code on a CPU.
 
 The same names, signatures, shapes and semantics as `mamba_ssm.ops.selective_scan_interface`,
 `mamba_ssm.ops.triton.selective_state_update` and the `causal_conv1d` package, so that a
@@ -35,10 +36,19 @@ so that the tests can compare in float64). What runs:
   delta_proj's low-rank input itself (sonata's model does the same).
 - `causal_conv1d_fn` / `causal_conv1d_update` / `selective_state_update` run PyTorch ops (a
   depthwise conv1d and a few elementwise ops per step; there is nothing to fuse across calls);
-  they are their references' code with the package's argument checks.
+  they are their references' code with the package's argument checks. `causal_conv1d_fn`
+  takes `seq_idx` (batch, L): no tap crosses a packed sequence's start.
+- The Mamba-2 ops live in `sonata.interop.mamba2_ops` and are re-exported here:
+  `mamba_chunk_scan_combined`, `mamba_split_conv1d_scan_combined`, the gated norms
+  (`rmsnorm_fn`, `layernorm_fn`, `RMSNorm`, `LayerNorm`); `selective_state_update` takes both
+  forms, as mamba_ssm's does: state (batch, dim, N) (Mamba-1, above) or (batch, nheads,
+  headdim, N) (Mamba-2: `mamba2_ops.selective_state_update_heads`, sonata's fused `ssd_step`).
 
-Not supported (one clear error each): variable-length packing (`cu_seqlens`, `seq_idx`),
-complex A, and the per-head (Mamba-2) forms of `selective_state_update`.
+Not supported (one clear error each): variable-length packing in the Mamba-1 scan ops
+(`cu_seqlens`, `seq_idx` of `selective_scan_fn` / `mamba_inner_fn`) and complex A.
+`install()` serves every op named here under mamba_ssm's module paths, and each runs every
+form its signature admits (a form without a fast path runs the reference), so a caller that
+resolves them (transformers at import) never meets an op that refuses a form it passes.
 """
 from __future__ import annotations
 
@@ -50,7 +60,21 @@ import types
 import torch
 import torch.nn.functional as F
 
-from sonata.kernels import conv_silu, selective_scan
+from sonata.interop.mamba2_ops import (
+    LayerNorm,
+    RMSNorm,
+    causal_conv,
+    layernorm_fn,
+    mamba_chunk_scan_combined,
+    mamba_chunk_scan_combined_ref,
+    mamba_split_conv1d_scan_combined,
+    mamba_split_conv1d_scan_ref,
+    rms_norm_ref,
+    rmsnorm_fn,
+    selective_state_update_heads,
+    selective_state_update_heads_ref,
+)
+from sonata.kernels import conv_silu, rms_norm, selective_scan
 from sonata.kernels.reference import compute_dtype
 
 _ACTIVATIONS = (None, "silu", "swish")
@@ -204,8 +228,14 @@ def causal_conv1d_ref(x, weight, bias=None, initial_states=None, return_final_st
 def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
                      final_states_out=None, activation=None):
     """The `causal_conv1d` package's `causal_conv1d_fn` (depthwise causal conv1d, then SiLU when
-    activation is 'silu' / 'swish'): PyTorch's conv1d, autograd through it."""
-    _unsupported(seq_idx=seq_idx)
+    activation is 'silu' / 'swish'): PyTorch's conv1d, autograd through it. With seq_idx
+    (batch, L) no tap reads across a packed sequence's start (`mamba2_ops.causal_conv`)."""
+    if seq_idx is not None:
+        if initial_states is not None or return_final_states:
+            raise ValueError("sonata.interop.mamba_ssm: causal_conv1d_fn takes seq_idx without initial_states "
+                             "or return_final_states (as the causal_conv1d package)")
+        _check_conv(x, weight, activation)
+        return causal_conv(x, weight, bias, seq_idx, activation)
     return causal_conv1d_ref(x, weight, bias, initial_states, return_final_states, final_states_out,
                              activation)
 
@@ -256,14 +286,26 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
 
 # --------------------------------------------------------------------------- one decoding step
 
+def _heads_form(state, x, dt, A, B, C, D, z, dt_bias):
+    """mamba_ssm's promotion of lower-rank arguments to the per-head form (one head)."""
+    def up(t, rank, at):
+        return t.unsqueeze(at) if t is not None and t.dim() == rank else t
+    return (state, up(x, 2, 1), up(dt, 2, 1), up(A, 2, 0), up(B, 2, 1), up(C, 2, 1), up(D, 1, 0), up(z, 2, 1),
+            up(dt_bias, 1, 0))
+
+
 def selective_state_update_ref(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
     """One step of the recurrence, the state updated in place: state (batch, dim, N); x, dt, z
     (batch, dim); A (dim, N); B, C (batch, N) or (batch, G, N) (group g serves dim / G
-    channels); D, dt_bias (dim,) -> out (batch, dim) in x's dtype."""
+    channels); D, dt_bias (dim,) -> out (batch, dim) in x's dtype. A state (batch, nheads,
+    headdim, N) is the per-head (Mamba-2) form: `mamba2_ops.selective_state_update_heads_ref`."""
     _check_real(A)
+    if state.dim() == 4:
+        return selective_state_update_heads_ref(*_heads_form(state, x, dt, A, B, C, D, z, dt_bias), dt_softplus)
     if state.dim() != 3 or x.dim() != 2:
-        raise ValueError("sonata.interop.mamba_ssm: selective_state_update takes state (batch, dim, N) and x (batch, dim); "
-                         "the per-head (Mamba-2) forms are not supported")
+        raise ValueError(f"sonata.interop.mamba_ssm: selective_state_update takes state (batch, dim, N) with x "
+                         f"(batch, dim), or state (batch, nheads, headdim, N) with x (batch, nheads, headdim); "
+                         f"got state {tuple(state.shape)} and x {tuple(x.shape)}")
     dim = x.shape[1]
     ct = compute_dtype(state.dtype)
     dt = dt.to(ct)
@@ -285,8 +327,14 @@ def selective_state_update_ref(state, x, dt, A, B, C, D=None, z=None, dt_bias=No
 
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
                            state_batch_indices=None):
-    """mamba_ssm's `selective_state_update` (Mamba-1 shapes); `state_batch_indices` (batch,) picks
-    each row's state from a larger state tensor."""
+    """mamba_ssm's `selective_state_update`, both forms: state (batch, dim, N) (Mamba-1 shapes,
+    `selective_state_update_ref`) or (batch, nheads, headdim, N) (Mamba-2: A (nheads, headdim,
+    N), usually a stride-0 expansion of one number per head, dt_bias and D (nheads, headdim);
+    sonata's fused step, `mamba2_ops.selective_state_update_heads`). `state_batch_indices`
+    (batch,) picks each row's state from a larger state tensor."""
+    if state.dim() == 4:
+        return selective_state_update_heads(*_heads_form(state, x, dt, A, B, C, D, z, dt_bias), dt_softplus,
+                                            state_batch_indices)
     if state_batch_indices is None:
         return selective_state_update_ref(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
     idx = state_batch_indices.long()
@@ -298,42 +346,64 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
 
 # --------------------------------------------------------------------------- the whole mixer
 
-def _mixer_inputs(x, x_proj_weight, delta_rank, d_state, B, C, B_proj_bias, C_proj_bias):
+def _rms_ref(v, weight, eps):
+    """RMSNorm over the last dimension in float32 (float64 for float64), the result in v's dtype."""
+    vc = v.to(compute_dtype(v.dtype))
+    return (vc * torch.rsqrt(vc.square().mean(-1, keepdim=True) + eps) * weight.to(vc.dtype)).to(v.dtype)
+
+
+def _mixer_inputs(x, x_proj_weight, delta_rank, d_state, B, C, B_proj_bias, C_proj_bias, b_rms_weight=None,
+                  c_rms_weight=None, eps=1e-6, norm=_rms_ref):
     """x (batch, L, dim) after conv + SiLU -> (dt (batch, L, R), B, C) as the scan takes them:
-    variable B / C (when None) from x_proj's output as (batch, N, L) views."""
+    variable B / C (when None) from x_proj's output as (batch, N, L) views, each normalized over
+    N (Falcon Mamba's b_rms / c_rms) when its weight is given."""
     x_dbl = F.linear(x, x_proj_weight)                                  # (batch, L, R + 2N)
     dt = x_dbl[..., :delta_rank]
     if B is None:
         B = x_dbl[..., delta_rank:delta_rank + d_state]
-        B = (B if B_proj_bias is None else B + B_proj_bias.to(B.dtype)).transpose(1, 2)
+        B = B if B_proj_bias is None else B + B_proj_bias.to(B.dtype)
+        B = (B if b_rms_weight is None else norm(B, b_rms_weight, eps)).transpose(1, 2)
     if C is None:
         C = x_dbl[..., -d_state:]
-        C = (C if C_proj_bias is None else C + C_proj_bias.to(C.dtype)).transpose(1, 2)
+        C = C if C_proj_bias is None else C + C_proj_bias.to(C.dtype)
+        C = (C if c_rms_weight is None else norm(C, c_rms_weight, eps)).transpose(1, 2)
     return dt, B, C
+
+
+def _delta(dt, delta_proj_weight, dt_rms_weight, eps, norm):
+    """delta (batch, dim, L) = delta_proj(dt), normalized over dim (Falcon Mamba's dt_rms, as
+    mamba_ssm applies it: after the projection) when its weight is given."""
+    delta = dt @ delta_proj_weight.t()                                  # (batch, L, dim)
+    return (delta if dt_rms_weight is None else norm(delta, dt_rms_weight, eps)).transpose(1, 2)
 
 
 def mamba_inner_ref(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight, out_proj_weight,
                     out_proj_bias, A, B=None, C=None, D=None, delta_bias=None, B_proj_bias=None,
-                    C_proj_bias=None, delta_softplus=True):
+                    C_proj_bias=None, delta_softplus=True, b_rms_weight=None, c_rms_weight=None, dt_rms_weight=None,
+                    b_c_dt_rms_eps=1e-6):
     """mamba_ssm's `mamba_inner_ref`: xz (batch, 2 dim, L), in_proj's output channel-major ->
     (batch, L, d_model): conv + SiLU of the first half, x_proj, delta_proj, the scan gated by the
-    second half, out_proj. The references of the pieces, autograd through them."""
+    second half, out_proj; with b_rms_weight / c_rms_weight (N,) and dt_rms_weight (dim,), an
+    RMSNorm of B, C and delta (mamba_ssm's Falcon Mamba form). The references of the pieces,
+    autograd through them."""
     _check_real(A)
     x, z = xz.chunk(2, dim=1)
     x = causal_conv1d_ref(x, conv1d_weight.reshape(conv1d_weight.shape[0], -1), conv1d_bias, activation="silu")
     dt, B, C = _mixer_inputs(x.transpose(1, 2), x_proj_weight, delta_proj_weight.shape[1], A.shape[-1], B, C,
-                             B_proj_bias, C_proj_bias)
-    delta = (dt @ delta_proj_weight.t()).transpose(1, 2)
+                             B_proj_bias, C_proj_bias, b_rms_weight, c_rms_weight, b_c_dt_rms_eps)
+    delta = _delta(dt, delta_proj_weight, dt_rms_weight, b_c_dt_rms_eps, _rms_ref)
     y = selective_scan_ref(x, delta, A, B, C, D, z, delta_bias, delta_softplus)
     return F.linear(y.transpose(1, 2), out_proj_weight, out_proj_bias)
 
 
 def mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight, out_proj_weight,
                    out_proj_bias, A, B=None, C=None, D=None, delta_bias=None, B_proj_bias=None,
-                   C_proj_bias=None, delta_softplus=True, checkpoint_lvl=1, cu_seqlens=None, seq_idx=None):
+                   C_proj_bias=None, delta_softplus=True, checkpoint_lvl=1, b_rms_weight=None, c_rms_weight=None,
+                   dt_rms_weight=None, b_c_dt_rms_eps=1e-6, cu_seqlens=None, seq_idx=None):
     """mamba_ssm's `mamba_inner_fn` on sonata's fused pieces (see the module docstring); the
-    same arguments and result as `mamba_inner_ref`. `checkpoint_lvl` is accepted and has nothing
-    to choose: the fused backward recomputes from the inputs anyway."""
+    same arguments and result as `mamba_inner_ref` (the B / C / dt norms on sonata's fused
+    RMSNorm). `checkpoint_lvl` is accepted and has nothing to choose: the fused backward
+    recomputes from the inputs anyway."""
     _check_real(A)
     _unsupported(cu_seqlens=cu_seqlens, seq_idx=seq_idx)
     dim = conv1d_weight.shape[0]
@@ -341,12 +411,13 @@ def mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_wei
         conv1d_bias = conv1d_weight.new_zeros(dim)
     x, z = conv_silu(xz.transpose(1, 2), conv1d_weight.reshape(dim, 1, -1), conv1d_bias)  # (b, L, dim)
     dt, B, C = _mixer_inputs(x, x_proj_weight, delta_proj_weight.shape[1], A.shape[-1], B, C,
-                             B_proj_bias, C_proj_bias)
-    if B.dim() == 3 and C.dim() == 3 and B.shape[-1] == C.shape[-1] == x.shape[1] and xz.shape[1] == 2 * dim:
+                             B_proj_bias, C_proj_bias, b_rms_weight, c_rms_weight, b_c_dt_rms_eps, rms_norm)
+    if (dt_rms_weight is None and B.dim() == 3 and C.dim() == 3 and B.shape[-1] == C.shape[-1] == x.shape[1]
+            and xz.shape[1] == 2 * dim):
         y = selective_scan(x.transpose(1, 2), dt, A, B, C, D, z.transpose(1, 2), delta_bias, delta_softplus,
                            delta_proj=delta_proj_weight)
     else:
-        delta = (dt @ delta_proj_weight.t()).transpose(1, 2)
+        delta = _delta(dt, delta_proj_weight, dt_rms_weight, b_c_dt_rms_eps, rms_norm)
         y = selective_scan_fn(x.transpose(1, 2), delta, A, B, C, D, z.transpose(1, 2), delta_bias, delta_softplus)
     return F.linear(y.transpose(1, 2), out_proj_weight, out_proj_bias)
 
@@ -357,6 +428,9 @@ _SHIMS = {
     "mamba_ssm.ops.selective_scan_interface": ("selective_scan_fn", "selective_scan_ref", "mamba_inner_fn",
                                                "mamba_inner_ref"),
     "mamba_ssm.ops.triton.selective_state_update": ("selective_state_update", "selective_state_update_ref"),
+    "mamba_ssm.ops.triton.ssd_combined": ("mamba_chunk_scan_combined", "mamba_chunk_scan_combined_ref",
+                                          "mamba_split_conv1d_scan_combined", "mamba_split_conv1d_scan_ref"),
+    "mamba_ssm.ops.triton.layernorm_gated": ("rmsnorm_fn", "layernorm_fn", "rms_norm_ref", "RMSNorm", "LayerNorm"),
     "causal_conv1d": ("causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_ref", "causal_conv1d_update_ref"),
     "causal_conv1d.causal_conv1d_interface": ("causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_ref",
                                               "causal_conv1d_update_ref"),
@@ -376,7 +450,10 @@ def install() -> list[str]:
     other ops' import paths above) resolve to sonata's ops, for each top-level package
     (mamba_ssm, causal_conv1d) that is NOT installed: a real installation always wins, and
     nothing else of it is imitated (`import mamba_ssm.models...` still fails, as without the
-    shim). The shim modules say what they are (`__sonata_shim__`). -> the module names set up."""
+    shim). The shim modules say what they are (`__sonata_shim__`). Call it before transformers
+    imports a model's module: transformers 5 resolves each op once, when that module is
+    imported, and keeps its own PyTorch path for the ops it does not find. -> the module
+    names set up."""
     done = []
     this = sys.modules[__name__]
     for name, attrs in _SHIMS.items():
@@ -403,4 +480,6 @@ def install() -> list[str]:
 
 __all__ = ["selective_scan_fn", "selective_scan_ref", "mamba_inner_fn", "mamba_inner_ref", "causal_conv1d_fn",
            "causal_conv1d_ref", "causal_conv1d_update", "causal_conv1d_update_ref", "selective_state_update",
-           "selective_state_update_ref", "install"]
+           "selective_state_update_ref", "mamba_chunk_scan_combined", "mamba_chunk_scan_combined_ref",
+           "mamba_split_conv1d_scan_combined", "mamba_split_conv1d_scan_ref", "rmsnorm_fn", "layernorm_fn",
+           "rms_norm_ref", "RMSNorm", "LayerNorm", "install"]

@@ -236,6 +236,29 @@ def test_mamba_inner_fn_matches_its_reference():
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=f"d{name}")
 
 
+def test_mamba_inner_fn_with_falcon_mambas_b_c_dt_norms_matches_its_reference():
+    """b_rms_weight / c_rms_weight (N,) and dt_rms_weight (dim,), the keywords transformers'
+    FalconMamba passes (dropped silently by a signature without them): RMSNorm of B, C and of
+    delta after delta_proj, as mamba_ssm applies them; output and every gradient in float64."""
+    w = _mixer_weights(13)
+    g = torch.Generator().manual_seed(14)
+    norms = dict(b_rms_weight=1 + 0.2 * torch.randn(4, generator=g, dtype=torch.float64),
+                 c_rms_weight=1 + 0.2 * torch.randn(4, generator=g, dtype=torch.float64),
+                 dt_rms_weight=1 + 0.2 * torch.randn(32, generator=g, dtype=torch.float64))
+    xz = torch.randn(2, 64, 30, generator=g, dtype=torch.float64)
+    dout = torch.randn(2, 30, 16, generator=g, dtype=torch.float64)
+    results = []
+    for fn in (ops.mamba_inner_fn, ops.mamba_inner_ref):
+        leaves = _leaves({"xz": xz, **w, **norms})
+        out = fn(**leaves, b_c_dt_rms_eps=1e-5)
+        results.append((out, torch.autograd.grad((out * dout).sum(), list(leaves.values()))))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-10, atol=1e-10)
+    for name, a, b in zip(["xz", *w, *norms], results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=f"d{name}")
+    plain = ops.mamba_inner_ref(xz, **w)
+    assert (plain - results[1][0]).abs().max() > 1e-3          # the norms change the result
+
+
 class SimpleMamba(nn.Module):
     """A Mamba block written the way mamba_ssm's `mamba_simple.Mamba` is (in_proj to a
     channel-major xz, mamba_inner_fn in training, causal_conv1d_update + selective_state_update
@@ -330,5 +353,6 @@ def test_install_leaves_a_real_package_alone(tmp_path, monkeypatch):
                        capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip() == "['mamba_ssm.ops.selective_scan_interface', 'mamba_ssm.ops.triton.selective_state_update'] True"
+    assert r.stdout.strip() == ("['mamba_ssm.ops.selective_scan_interface', 'mamba_ssm.ops.triton.layernorm_gated', "
+                                "'mamba_ssm.ops.triton.selective_state_update', 'mamba_ssm.ops.triton.ssd_combined'] True")
 
