@@ -27,7 +27,7 @@ INSIDE = {
                 {"cpu_scan", "cpu_conv", "cpu_norm", "cpu_loss", "decode_cpu", "triton", "ssd.cpu", "ssd.triton_bwd"},
                 {"cpu", "ssd.triton"}, {"__init__"}, {"ssd"}],
     "data": [{"vocab"}, {"sources"}, {"token_cache"}, {"batches", "tasks"}],
-    "model": [{"quant", "norm", "gpt2"}, {"block", "decode"}, {"mamba", "mamba2", "attention"}, {"lm"}],
+    "model": [{"quant", "norm", "gpt2"}, {"block", "decode"}, {"mamba", "mamba2", "mamba3", "attention"}, {"lm"}],
     "train": [{"memory", "leak", "plan", "schedule", "tensorboard_log"},
               {"autotune", "distributed", "evaluate", "summary", "update", "stops"}, {"trainer"}],
     "interop": [{"hf", "mamba2_ops", "mamba_ssm"}, {"hf_accelerate"}],

@@ -17,8 +17,8 @@ from sonata.core.errors import ConfigError
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 
 
-ARCHS = ("mamba", "lti", "mamba2", "attention", "gpt2", "hybrid")
-BLOCKS = ("mamba", "lti", "mamba2", "attention")     # what a layer of `model.layers` may be
+ARCHS = ("mamba", "lti", "mamba2", "mamba3", "attention", "gpt2", "hybrid")
+BLOCKS = ("mamba", "lti", "mamba2", "mamba3", "attention")     # what a layer of `model.layers` may be
 
 
 @dataclass
@@ -43,7 +43,9 @@ class ModelConfig:
     n_heads: int = 4            # model.arch=attention / gpt2: heads (attention: d_model / n_heads must be even)
     headdim: int = 32           # mamba2: channels per SSD head (d_inner / headdim heads)
     ngroups: int = 1            # mamba2: groups of B and C, shared by nheads / ngroups heads each
-    chunk_size: int = 64        # mamba2: the SSD's chunk length (the result does not depend on it)
+    chunk_size: int = 64        # mamba2, mamba3: the SSD's chunk length (the result does not depend on it)
+    rope_fraction: float = 0.5  # mamba3: the share of the state rotated by data-dependent angles (0: no rotation)
+    trapezoid: bool = True      # mamba3: the exponential-trapezoidal update (false: exponential Euler)
     layers: str = ""            # a hybrid stack, one block per layer: e.g. mamba2,mamba2,attention,mamba2
                                 # (sets n_layers, and arch: the one kind, or hybrid); "": n_layers of arch
 
@@ -65,8 +67,8 @@ class ModelConfig:
 
     @property
     def recurrent(self) -> bool:
-        """Every layer a recurrent state-space block with a one-token step (mamba, mamba2)."""
-        return all(k in ("mamba", "mamba2") for k in self.kinds)
+        """Every layer a recurrent state-space block with a one-token step (mamba, mamba2, mamba3)."""
+        return all(k in ("mamba", "mamba2", "mamba3") for k in self.kinds)
 
     @property
     def dt_rank_(self) -> int:
@@ -127,15 +129,19 @@ class ProfileConfig:
     precision: str = ""         # what train.precision=auto means under this profile
 
 
-TASKS = ("induction", "copying")
+TASKS = ("induction", "copying", "mqar", "parity", "modsum")
 
 
 @dataclass
 class TaskConfig:
     """A synthetic task of the Mamba paper instead of language modeling (sonata.data.tasks): fresh
     sequences of length data.seq_len every step, the loss on the answer positions only."""
-    name: str = ""              # "": language modeling on data.*; induction | copying
+    name: str = ""              # "": language modeling on data.*; induction | copying | mqar | parity | modsum
     n_data: int = 16            # copying: data tokens per sequence (data.seq_len = noise region + n_data)
+    vocab_size: int = 8192      # mqar: keys 1..V/2-1, values V/2..V-1, 0 the filler (8192: the Mamba-2 paper's)
+    n_pairs: int = 0            # mqar: key-value pairs per sequence (0: a quarter of each length, the paper's T/4)
+    modulus: int = 5            # modsum: tokens 0..m-1, the answer their sum mod m
+    running: bool = False       # parity, modsum: the loss at every position (each prefix's answer), not the last only
     curriculum: str = ""        # "L:S,L:S,...,L": S steps at length L, then the next; the last length to the end ("": data.seq_len)
     eval_seqs: int = 256        # validation: this many fixed sequences at data.seq_len
     eval_seed: int = 1234       # the validation set's seed (test sets: see `python -m sonata eval --lengths`)
@@ -261,18 +267,31 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
+        """A saved config (a checkpoint's, an export's): every key known, every value of its
+        field's type (an int for a float), else a ConfigError naming the key."""
         cfg = cls()
+        if not isinstance(d, dict):
+            raise ConfigError(f"a config is a mapping of sections, not a {type(d).__name__}")
         for section, values in d.items():
             sub = _section(cfg, section)
-            names = {f.name for f in fields(sub)}
+            if not isinstance(values, dict):
+                raise ConfigError(f"config section {section!r} is a {type(values).__name__}, not a mapping")
+            hints = typing.get_type_hints(type(sub))
             for k, v in values.items():
-                if k not in names:
+                if k not in hints:
                     raise ConfigError(f"unknown config key {section}.{k}")
-                setattr(sub, k, v)
+                if isinstance(v, str) and hints[k] is not str:
+                    raise ConfigError(f"bad value for {section}.{k}: {v!r} is not {_a(hints[k])}")
+                set_value(cfg, f"{section}.{k}", v)
         return cfg.validate()
 
     def validate(self) -> "Config":
         m, d, t = self.model, self.data, self.train
+        for section in fields(self):            # inf or nan passes a range check and makes a NaN model
+            for f in fields(getattr(self, section.name)):
+                v, key = getattr(getattr(self, section.name), f.name), f"{section.name}.{f.name}"
+                _check(not isinstance(v, float) or math.isfinite(v) or key == "train.max_seconds",  # (its own)
+                       f"{key} must be a finite number, not {v!r}")
         _check(m.arch in ARCHS, f"model.arch must be one of {', '.join(ARCHS)}, not {m.arch!r}")
         if m.layers:
             _check(m.arch != "gpt2", "model.layers builds a sonata stack; model.arch=gpt2 is transformers' GPT-2")
@@ -282,14 +301,15 @@ class Config:
             m.n_layers = len(m.kinds)
             m.arch = m.kinds[0] if len(set(m.kinds)) == 1 else "hybrid"
         _check(m.arch != "hybrid" or m.layers, "model.arch=hybrid needs model.layers (e.g. mamba2,attention)")
-        if "mamba2" in m.kinds:
+        _check(0 <= m.rope_fraction <= 1, f"model.rope_fraction must be in [0, 1], not {m.rope_fraction}")
+        if "mamba2" in m.kinds or "mamba3" in m.kinds:
             _check(m.headdim > 0 and m.d_inner % m.headdim == 0,
                    f"model.headdim ({m.headdim}) must divide d_inner = model.expand x model.d_model ({m.d_inner})")
             _check(m.ngroups > 0 and m.nheads % m.ngroups == 0,
                    f"model.ngroups ({m.ngroups}) must divide the {m.nheads} heads (d_inner / headdim)")
             _check(m.chunk_size > 0, "model.chunk_size must be positive")
-            _check(m.a_param == "log", "model.a_param=direct is the Mamba-1 ablation; mamba2 layers keep "
-                                       "A = -exp(A_log) (model.a_param=log)")
+            _check(m.a_param == "log", "model.a_param=direct is the Mamba-1 ablation; mamba2 and mamba3 "
+                                       "layers keep A negative by construction (model.a_param=log)")
         _check(m.d_model > 0, "model.d_model must be positive")
         _check(m.arch != "attention" or (m.n_heads > 0 and m.d_model % (2 * m.n_heads) == 0),
                f"model.n_heads ({m.n_heads}) must divide model.d_model ({m.d_model}) into heads of even "
@@ -299,8 +319,8 @@ class Config:
         _check(m.arch != "gpt2" or not self.task.name,
                "model.arch=gpt2 is the language-model race's baseline; a task trains mamba, lti or attention")
         _check(m.arch != "gpt2" or t.precision != "int8", "train.precision=int8 needs a sonata model, not gpt2")
-        _check(not m.a_constraint or any(k in ("mamba", "lti", "mamba2") for k in m.kinds),
-               f"model.a_constraint=true needs a state-space model (model.arch=mamba, lti or mamba2): "
+        _check(not m.a_constraint or any(k in ("mamba", "lti", "mamba2", "mamba3") for k in m.kinds),
+               f"model.a_constraint=true needs a state-space model (model.arch=mamba, lti, mamba2 or mamba3): "
                f"model.arch={m.arch} has no A to constrain")
         _check(m.n_layers > 0, "model.n_layers must be positive")
         _check(m.d_state > 0, "model.d_state must be positive")
@@ -365,7 +385,18 @@ class Config:
                                          f"{', '.join(TASKS)}, not {k.name!r}")
         _check(k.n_data > 0, "task.n_data must be positive")
         _check(k.eval_seqs > 0, "task.eval_seqs must be positive")
-        min_len = {"induction": 4, "copying": 2 * k.n_data}.get(k.name, 1)
+        _check(k.name != "mqar" or 4 <= k.vocab_size <= 65536,
+               f"task.vocab_size must be in 4..65536 (keys 1..V/2-1, values V/2..V-1), not {k.vocab_size}")
+        _check(k.n_pairs >= 0, "task.n_pairs must be >= 0 (0 = a quarter of each sequence's length)")
+        _check(k.name != "modsum" or 2 <= k.modulus <= 65536, f"task.modulus must be in 2..65536, not {k.modulus}")
+        _check(not k.running or k.name in ("parity", "modsum"),
+               f"task.running=true is for task.name=parity or modsum, not {k.name or '(none)'}")
+        min_len = {"induction": 4, "copying": 2 * k.n_data, "mqar": 4 * (k.n_pairs or 1)}.get(k.name, 1)
+        if k.name == "mqar":                    # each length's pairs need distinct keys
+            for length in [d.seq_len] + [n for n, _ in parse_curriculum(k.curriculum)]:
+                pairs, keys = k.n_pairs or length // 4, k.vocab_size // 2 - 1
+                _check(pairs <= keys, f"task mqar at length {length} has {pairs} key-value pairs but "
+                                      f"task.vocab_size={k.vocab_size} has only {keys} keys (1..V/2-1)")
         _check(d.seq_len >= min_len, f"data.seq_len ({d.seq_len}) must be at least {min_len} for task "
                                       f"{k.name} (the training length)")
         for length, _ in parse_curriculum(k.curriculum):
@@ -416,6 +447,11 @@ def describe_length(cfg: Config) -> str:
     return f"vocabulary {cfg.data.vocab_size:,}, peak lr {t.lr:g}, {length}"
 
 
+def _a(typ) -> str:
+    """'an int', 'a float'."""
+    return ("an " if typ.__name__[0] in "aeiou" else "a ") + typ.__name__
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -463,7 +499,7 @@ def set_value(cfg: Config, key: str, value) -> None:
     elif typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     elif not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise ConfigError(f"bad value for {key}: {value!r} is not a {typ.__name__}")
+        raise ConfigError(f"bad value for {key}: {value!r} is not {_a(typ)}")
     setattr(sub, name, value)
 
 

@@ -9,6 +9,9 @@ mamba2,mamba2,attention,mamba2):
   (delta per channel, B and C shared by the channels, as Mamba's B_t and C_t are).
 - `mamba2`: Mamba-2 (SSD) blocks, `sonata.model.mamba2`: one in_proj to z, x, B, C, dt, a
   convolution over x, B and C, the SSD scan with one decay per head, a gated grouped RMSNorm.
+- `mamba3`: Mamba-3 SISO blocks, `sonata.model.mamba3`: the exponential-trapezoidal update, a
+  data-dependent rotation of B and C (a complex state), data-dependent A, normalised B and C
+  with biases, no convolution; on the SSD kernel.
 - `attention`: a causal multi-head attention baseline with rotary position embeddings
   (`torch.nn.functional.scaled_dot_product_attention`) and a GELU MLP, the same width.
 
@@ -35,6 +38,7 @@ from sonata.model import decode
 from sonata.model.attention import AttentionBlock
 from sonata.model.mamba import MambaBlock
 from sonata.model.mamba2 import Mamba2Block
+from sonata.model.mamba3 import Mamba3Block
 from sonata.model.norm import RMSNorm
 from sonata.model.quant import QLinear
 
@@ -127,11 +131,13 @@ class MambaLM(nn.Module):
 
 
 def make_block(cfg: ModelConfig, kind: str) -> nn.Module:
-    """One layer of block family `kind` (mamba, lti, mamba2, attention)."""
+    """One layer of block family `kind` (mamba, lti, mamba2, mamba3, attention)."""
     if kind == "attention":
         return AttentionBlock(cfg)
     if kind == "mamba2":
         return Mamba2Block(cfg)
+    if kind == "mamba3":
+        return Mamba3Block(cfg)
     return MambaBlock(cfg, kind)
 
 
