@@ -6,6 +6,7 @@ import base64
 import json
 import re
 import shlex
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,153 @@ def test_the_readme_results_from_notebooks_are_in_their_committed_outputs():
         assert numbers, row
         for n in numbers:
             assert n in text or n.replace(",", "") in text, f"{nb}: {n} (README) is not in its committed outputs"
+
+
+class _Tables(HTMLParser):
+    """The <table>s of an HTML output: each a list of rows, the header row first."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables, self._cell = [], None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table":
+            self.tables.append([])
+        elif tag == "tr" and self.tables:
+            self.tables[-1].append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self.tables[-1][-1].append("".join(self._cell).strip())
+            self._cell = None
+
+
+def _notebook_tables(nb: str) -> list[list[dict]]:
+    """Every table a notebook's committed outputs print (its HTML form): rows as {header: cell}."""
+    parser = _Tables()
+    for c in json.loads((REPO / "notebooks" / nb).read_text())["cells"]:
+        for o in c.get("outputs", []):
+            parser.feed("".join(o.get("data", {}).get("text/html", "")))
+    return [[dict(zip(t[0], r)) for r in t[1:]] for t in parser.tables if t]
+
+
+def _markdown_tables(page: Path) -> list[tuple[int, list[dict]]]:
+    """The page's pipe tables: (line of the header, rows as {header: cell})."""
+    out, lines = [], _text(page).splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("|") and i + 1 < len(lines) and re.match(r"\|[\s|:-]+\|$", lines[i + 1]):
+            cells = lambda ln: [c.strip() for c in ln.strip().strip("|").split("|")]  # noqa: E731
+            header, rows, j = cells(lines[i]), [], i + 2
+            while j < len(lines) and lines[j].startswith("|"):
+                rows.append(dict(zip(header, cells(lines[j]))))
+                j += 1
+            out.append((i + 1, rows))
+            i = j
+        else:
+            i += 1
+    return out
+
+
+def _cell(v: str) -> str:
+    """A cell as written: no markup, no thousands separators ('16,300' is the notebook's 16300)."""
+    v = v.replace("`", "").replace("**", "").strip()
+    return re.sub(r"(?<=\d),(?=\d{3}\b)", "", v)
+
+
+def _differences(doc_rows: list[dict], nb_rows: list[dict]) -> tuple[int, list[str]]:
+    """How many of the doc rows' labels the notebook table has, and what keeps each doc row
+    from being one of its rows (the same cell in every doc column)."""
+    label_h = next(iter(doc_rows[0]))
+    columns = set(nb_rows[0]) if nb_rows else set()
+    out = [f"column {h!r}: not in the notebook's table" for h in doc_rows[0] if h not in columns]
+    found = 0
+    for row in doc_rows:
+        same = [nb for nb in nb_rows if _cell(nb.get(label_h, "")) == _cell(row[label_h])]
+        found += bool(same)
+        shared = [h for h in row if h in columns]
+        if any(all(_cell(row[h]) == _cell(nb[h]) for h in shared) for nb in same):
+            continue
+        if not same:
+            out.append(f"row {row[label_h]!r}: no such row in the notebook's table")
+            continue
+        best = min(same, key=lambda nb: sum(_cell(row[h]) != _cell(nb[h]) for h in shared))
+        out += [f"row {row[label_h]!r}, column {h!r}: docs {row[h]!r}, notebook {best[h]!r}"
+                for h in shared if _cell(row[h]) != _cell(best[h])]
+    return found, out
+
+
+def test_the_selection_tables_are_notebook_08s_committed_outputs():
+    """Every table of docs/selection.md is part of a table notebook 08's committed outputs print:
+    its rows among the notebook's rows and every cell as printed."""
+    nb_tables = _notebook_tables("08_selection.ipynb")
+    doc_tables = _markdown_tables(REPO / "docs" / "selection.md")
+    assert len(nb_tables) >= 8 and len(doc_tables) >= 3
+    problems = []
+    for line, rows in doc_tables:
+        # the notebook table this one is cut from: the one with most of its rows, then the fewest differences
+        _, diffs = max((_differences(rows, t) for t in nb_tables), key=lambda r: (r[0], -len(r[1])))
+        problems += [f"docs/selection.md table at line {line}: {d}" for d in diffs]
+    assert not problems, "\n".join(problems)
+
+
+_DATE = r"\d{4}-\d{2}-\d{2}"
+
+
+def _figures(text: str) -> list[str]:
+    """The figures of a cell: decimals and numbers with thousands separators."""
+    return re.findall(r"\d[\d,]*\.\d+|\d{1,3}(?:,\d{3})+", text)
+
+
+def test_every_readme_result_names_its_notebook_or_says_measured_once_with_date_and_host():
+    readme = _text(REPO / "README.md")
+    section = readme.split("## Results", 1)[1].split("\n## ", 1)[0]
+    rows = [ln for ln in section.splitlines() if ln.startswith("| ") and not ln.startswith("| what |")]
+    assert len(rows) >= 8
+    for row in rows:
+        source = row.rstrip(" |").split(" | ")[-1]
+        assert "`notebooks/" in source or (
+            "measured once" in source and "`" in source and re.search(_DATE, source)
+            and ("AMD EPYC" in source or "host" in source)), f"README row without its source: {row}"
+
+
+def test_every_results_table_says_what_printed_it_and_the_notebooks_print_its_figures():
+    """docs/results.md: each table has a 'printed by' or 'how measured' column, date and host
+    columns, or a sentence before it saying what printed it; each figure a table credits to a
+    committed notebook is in that notebook's committed outputs."""
+    page = REPO / "docs" / "results.md"
+    lines = _text(page).splitlines()
+    for line, rows in _markdown_tables(page):
+        header = list(rows[0])
+        i = line - 2                                        # the paragraph just above the table
+        while i >= 0 and not lines[i].strip():
+            i -= 1
+        para = []
+        while i >= 0 and lines[i].strip() and not lines[i].startswith("|"):
+            para.insert(0, lines[i])
+            i -= 1
+        before = " ".join(para).lower()
+        assert ("printed by" in header or "how measured" in header or {"date", "host"} <= set(header)
+                or header[0] == "host" or "measured once" in before or "printed by" in before), (
+            f"docs/results.md table at line {line} does not say what printed it")
+        for row in rows:
+            src = row.get("printed by", "")
+            if not src and "printed by `notebooks/" in before:
+                src = before.split("printed by", 1)[1]
+            m = re.search(r"`notebooks/([\w.]+\.ipynb)`", src)
+            if not m or "committed in" in src:
+                continue
+            text, _ = _outputs(m.group(1))
+            plain = text.replace(",", "")
+            for h, v in row.items():
+                if h in ("printed by", "date", "host"):
+                    continue
+                for n in _figures(v):
+                    assert n in text or n.replace(",", "") in plain, (
+                        f"docs/results.md line {line}: {n} ({h}) is not in {m.group(1)}'s committed outputs")
