@@ -134,7 +134,7 @@ TASKS = ("induction", "copying", "mqar", "parity", "modsum")
 
 @dataclass
 class TaskConfig:
-    """A synthetic task of the Mamba paper instead of language modeling (sonata.data.tasks): fresh
+    """A synthetic task of the Mamba papers instead of language modeling (sonata.data.tasks): fresh
     sequences of length data.seq_len every step, the loss on the answer positions only."""
     name: str = ""              # "": language modeling on data.*; induction | copying | mqar | parity | modsum
     n_data: int = 16            # copying: data tokens per sequence (data.seq_len = noise region + n_data)

@@ -1,6 +1,8 @@
-"""Synthetic tasks of the Mamba paper (Gu and Dao 2023, section 4.1): induction heads and
-selective copying. Seeded generators that draw fresh sequences every step, and the formats
-written out exactly, so anyone can generate the same data.
+"""Synthetic tasks of the Mamba papers: induction heads and selective copying (Mamba, Gu and Dao
+2023, section 4.1), multi-query associative recall (Mamba-2, Dao and Gu 2024, section 9.1), and
+state tracking: parity and a modular sum (Mamba-3, Lahoti et al. 2026). Seeded generators that
+draw fresh sequences every step, and the formats written out exactly, so anyone can generate the
+same data.
 
 Induction heads (`InductionHeads`, the paper's Table 2). Vocabulary 16: ids 0..14 are the
 content tokens, id 15 is the special token S. A sequence of length L (L >= 4):
@@ -27,12 +29,48 @@ n_data):
 The answer at marker position region + i (i = 0 .. n_data - 1) is the i-th data token in
 order of position: the loss and the score are on those n_data positions. Chance 1/14.
 
+Multi-query associative recall (`MQAR`; Arora et al. 2023, "Zoology", in the Mamba-2 paper's
+form: T/4 key-value pairs, T 256..1,024, vocabulary 8,192). Vocabulary V (`task.vocab_size`):
+id 0 is the filler, ids 1..V/2 - 1 the keys, ids V/2..V - 1 the values (disjoint ranges). With
+D key-value pairs (`task.n_pairs`; 0, the default and the paper's rule: D = L // 4 at each
+length L, so a longer test sequence holds more pairs) and L >= 4D:
+
+    positions 0 .. 2D - 1       k_1 v_1 k_2 v_2 .. k_D v_D: D distinct keys uniform among the
+                                V/2 - 1 keys, D distinct values uniform among the V/2 values
+    q_j = 2D + (j (L - 2D)) // D, j = 0 .. D - 1
+                                the j-th query: the key k_p(j), p a uniform permutation of
+                                1..D (every key queried once, in random order)
+    every other position        the filler 0
+
+The answer at q_j is v_p(j), the value that followed the queried key: read from the logits at
+q_j, the loss and the score on those D positions only. The queries are spread evenly over the
+positions after the pairs (at L = 4D: every other one, q_j = 2D + 2j, each followed by a
+filler). Zoology places its queries at power-law gaps and fills the gaps with random tokens;
+here the query positions depend on L only, so every row of a batch shares them. Chance 2/V
+(uniform over the values; a model that knows only which values were in its context gets 1/D).
+`MQAR_GRIDS` holds the paper's grid and a CPU-sized one.
+
+Parity and modular sum (`Parity`, `ModularSum`: the state-tracking tasks of the Mamba-3 paper,
+which follows the formal-language protocol of Grazzi et al. 2025 and Deletang et al. 2023: one
+answer, at the end). Vocabulary m (`task.modulus`, 5 by default; parity: m = 2): ids 0..m - 1
+are the tokens and the answers. A sequence of length L (L >= 1):
+
+    every position              uniform in 0..m - 1
+
+The answer is (x_0 + .. + x_{L-1}) mod m (parity: the number of ones mod 2), read from the
+logits at the last position L - 1 (the only position with a loss and the only one scored).
+`task.running=true`: the training loss at every position t, on (x_0 + .. + x_t) mod m (the
+running parity: every prefix, so every length up to L, in one sequence); the score, at
+validation and test lengths alike, stays the last position's. Chance 1/m.
+`STATE_TRACKING` holds the trained length and the longer test lengths.
+
 Determinism. `draw(n, length, gen)` takes a torch.Generator: a training sampler owns one and
 checkpoints its state (`TaskSampler`), so a resumed run sees the same sequences. Evaluation
 sets are fixed by (seed, length): sequence r of the set is drawn by generators seeded by
 (seed, length, r), its content block by block (EVAL_BLOCK positions, each block from its own
 generator: the block size is part of the set's definition), so `eval_blocks` yields any rows
-of it without the others and a sequence of 2^20 tokens is never held whole.
+of it without the others and a sequence of 2^20 tokens is never held whole (selective copying
+and MQAR draw each row whole, from one generator, as in training).
 """
 from __future__ import annotations
 
@@ -196,12 +234,156 @@ class SelectiveCopying(Task):
         return 1 / (self.vocab_size - self.first_data)
 
 
+class MQAR(Task):
+    name = "mqar"
+    FILLER = 0
+
+    def __init__(self, vocab_size: int = 8192, n_pairs: int = 0):
+        if vocab_size < 4:
+            raise ValueError(f"mqar needs a vocabulary of at least 4 (keys 1..V/2-1, values V/2..V-1), got {vocab_size}")
+        self.vocab_size, self.n_pairs = vocab_size, n_pairs
+        self.first_value = vocab_size // 2                  # keys 1 .. first_value - 1, values first_value .. V - 1
+        self.n_keys, self.n_values = self.first_value - 1, vocab_size - self.first_value
+        self.min_length = 4 * (n_pairs or 1)
+
+    def pairs(self, length: int) -> int:
+        """D, the key-value pairs of a sequence of `length`: task.n_pairs, or length // 4."""
+        return self.n_pairs or length // 4
+
+    def query_positions(self, length: int) -> torch.Tensor:
+        d = self.pairs(length)
+        return 2 * d + torch.arange(d) * (length - 2 * d) // d
+
+    def check_length(self, length: int) -> None:
+        super().check_length(length)
+        d = self.pairs(length)
+        if d > min(self.n_keys, self.n_values):
+            raise ValueError(f"mqar at length {length} has {d} key-value pairs, more than the {self.n_keys} "
+                             f"keys of vocabulary {self.vocab_size} (task.vocab_size)")
+
+    def draw(self, n, length, gen):
+        self.check_length(length)
+        d = self.pairs(length)
+        keys = torch.rand(n, self.n_keys, generator=gen).argsort(dim=1)[:, :d] + 1             # (n, D) distinct
+        values = torch.rand(n, self.n_values, generator=gen).argsort(dim=1)[:, :d] + self.first_value
+        order = torch.rand(n, d, generator=gen).argsort(dim=1)                                  # p, per row
+        x = torch.full((n, length), self.FILLER, dtype=torch.long)
+        x[:, 0:2 * d:2], x[:, 1:2 * d:2] = keys, values
+        pos = self.query_positions(length)
+        x[:, pos] = keys.gather(1, order)
+        return x, Answers(pos, values.gather(1, order))
+
+    def _eval_meta(self, length, seed, row):
+        return self.draw(1, length, _seeded(seed, length, row, -1))         # (x, answers) of the row
+
+    def _eval_piece(self, meta, length, seed, row, i, t0):
+        return meta[0][0, t0:t0 + EVAL_BLOCK]
+
+    def _answers(self, metas, length):
+        return Answers(metas[0][1].pos, torch.cat([ans.target for _, ans in metas]))
+
+    def chance(self) -> float:
+        return 1 / self.n_values
+
+    def summary(self, length: int) -> dict:
+        return {**super().summary(length), "n_pairs": self.pairs(length)}
+
+
+class ModularSum(Task):
+    name = "modsum"
+
+    def __init__(self, modulus: int = 5, running: bool = False):
+        if modulus < 2:
+            raise ValueError(f"{self.name} needs a modulus of at least 2, got {modulus}")
+        self.modulus, self.vocab_size, self.running = modulus, modulus, running
+
+    def draw(self, n, length, gen):
+        self.check_length(length)
+        x = torch.randint(0, self.modulus, (n, length), generator=gen)
+        if self.running:                                   # every prefix's answer
+            return x, Answers(torch.arange(length), x.cumsum(dim=1) % self.modulus)
+        return x, Answers(torch.tensor([length - 1]), x.sum(dim=1, keepdim=True) % self.modulus)
+
+    def _eval_block(self, length, seed, row, i, t0) -> torch.Tensor:
+        return torch.randint(0, self.modulus, (min(EVAL_BLOCK, length - t0),), generator=_seeded(seed, length, row, i))
+
+    def _eval_meta(self, length, seed, row):
+        """The row's answer: its blocks drawn once here and summed (and again, one at a time, by
+        _eval_piece), so no more than one block is held."""
+        self.check_length(length)
+        return sum(int(self._eval_block(length, seed, row, i, t0).sum())
+                   for i, t0 in enumerate(range(0, length, EVAL_BLOCK))) % self.modulus
+
+    def _eval_piece(self, meta, length, seed, row, i, t0):
+        return self._eval_block(length, seed, row, i, t0)
+
+    def _answers(self, metas, length):
+        return Answers(torch.tensor([length - 1]), torch.tensor(metas, dtype=torch.long)[:, None])
+
+    def chance(self) -> float:
+        return 1 / self.modulus
+
+    def summary(self, length: int) -> dict:
+        return {**super().summary(length), "running": self.running}
+
+
+class Parity(ModularSum):
+    name = "parity"
+
+    def __init__(self, running: bool = False):
+        super().__init__(2, running)
+
+
+@dataclass(frozen=True)
+class MQARGrid:
+    """A grid of MQAR runs (the Mamba-2 paper's figure 8: 2 layers; trained length T with T/4
+    pairs, model width, state size N): `points()` and each point's config `overrides`; the
+    model's architecture (model.arch) is the caller's. `test_lengths(T)`: T and longer."""
+    vocab_size: int
+    lengths: tuple
+    d_models: tuple
+    d_states: tuple
+    n_layers: int = 2
+    test_factors: tuple = (1, 2, 4)
+
+    def points(self) -> list[tuple[int, int, int]]:
+        return [(t, d, n) for t in self.lengths for d in self.d_models for n in self.d_states]
+
+    def overrides(self, length: int, d_model: int, d_state: int) -> dict:
+        return {"task.name": "mqar", "task.vocab_size": self.vocab_size, "data.seq_len": length,
+                "model.n_layers": self.n_layers, "model.d_model": d_model, "model.d_state": d_state}
+
+    def test_lengths(self, length: int) -> tuple:
+        return tuple(length * f for f in self.test_factors)
+
+
+MQAR_GRIDS = {
+    # Mamba-2 paper, section 9.1: T 256..1,024 (T/4 pairs), vocabulary 8,192, 2 layers, width
+    # 32..256; Mamba-1 at N = 16, Mamba-2 at N = 16, 64, 256
+    "paper": MQARGrid(vocab_size=8192, lengths=(256, 512, 1024), d_models=(32, 64, 128, 256),
+                      d_states=(16, 64, 256)),
+    # minutes a run on a laptop's CPU: shorter sequences, a smaller vocabulary (511 keys: enough
+    # for the 256 pairs of the longest test length, 4 x 256)
+    "cpu": MQARGrid(vocab_size=1024, lengths=(64, 128, 256), d_models=(32, 64), d_states=(16, 32, 64)),
+}
+
+# Parity and modsum: the trained length and the test lengths (4x the trained length and beyond)
+STATE_TRACKING = {"train_length": 64, "test_lengths": (64, 128, 256, 512, 1024)}
+
+
 def make_task(cfg) -> Task:
-    """The task of a TaskConfig (`task.name`, `task.n_data`)."""
+    """The task of a TaskConfig (`task.name` and its parameters: `task.n_data`, `task.vocab_size`,
+    `task.n_pairs`, `task.modulus`, `task.running`)."""
     if cfg.name == "induction":
         return InductionHeads()
     if cfg.name == "copying":
         return SelectiveCopying(cfg.n_data)
+    if cfg.name == "mqar":
+        return MQAR(cfg.vocab_size, cfg.n_pairs)
+    if cfg.name == "parity":
+        return Parity(cfg.running)
+    if cfg.name == "modsum":
+        return ModularSum(cfg.modulus, cfg.running)
     raise ValueError(f"no task {cfg.name!r}")
 
 

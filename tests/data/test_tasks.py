@@ -1,7 +1,8 @@
 """The synthetic tasks (sonata.data.tasks): each generator puts the answer where its docstring says,
 deterministically per seed; training on a task through the trainer, for every architecture,
 resumes exactly; chunked evaluation gives the one-pass figures; the command line's task
-evaluation."""
+evaluation. Then the Mamba-2 and Mamba-3 papers' tasks: multi-query associative recall and state
+tracking (parity, a modular sum): formats, scoring, training and the command line."""
 from __future__ import annotations
 
 import json
@@ -13,8 +14,9 @@ import torch
 from sonata.core import checkpoint as ckpt
 from sonata.core.config import ModelConfig, make_config
 from sonata.model.lm import MambaLM
-from sonata.data.tasks import (EVAL_BLOCK, IGNORE, InductionHeads, SelectiveCopying, TaskSampler,
-                          accuracy_by_length, evaluate_task)
+from sonata.data.tasks import (EVAL_BLOCK, IGNORE, MQAR, MQAR_GRIDS, STATE_TRACKING, InductionHeads,
+                               ModularSum, Parity, SelectiveCopying, TaskSampler, accuracy_by_length,
+                               evaluate_task, make_task)
 from sonata.train.trainer import Trainer
 from conftest import _assert_one_error_line, run_cli
 
@@ -212,7 +214,7 @@ def test_cli_task_train_and_eval(tmp_path):
         _assert_one_error_line(r, words)
     r = run_cli("generate", str(out / "checkpoint.pt"))
     _assert_one_error_line(r, "no text vocabulary")
-    for bad, words in (("task.name=parity", "task.name"), ("model.arch=rnn", "model.arch"),
+    for bad, words in (("task.name=dyck", "task.name"), ("model.arch=rnn", "model.arch"),
                        ("data.seq_len=3", "at least 4")):
         r = run_cli("train", "--out", str(tmp_path / "bad"), "task.name=induction", bad)
         _assert_one_error_line(r, words)
@@ -283,3 +285,291 @@ def test_cli_init_starts_a_new_run_from_weights(tmp_path):
     r = run_cli("train", "--out", str(tmp_path / "d"), "--init", str(a / "checkpoint.pt"),
                 "--resume", str(a / "checkpoint.pt"))
     _assert_one_error_line(r, "use one")
+
+
+# ---- multi-query associative recall (MQAR) ----------------------------------------------------
+
+@pytest.mark.parametrize("vocab,n_pairs,length", [(16, 0, 16), (16, 0, 19), (8192, 0, 256), (64, 3, 20),
+                                                  (64, 0, 4), (1024, 0, 1024), (32, 5, 57)])
+def test_mqar_format(vocab, n_pairs, length):
+    """Keys and values from disjoint ranges, distinct within a row; every query a key of the
+    first part, each queried once; the answer the value that followed it; filler elsewhere;
+    answers at the query positions only; the same sequences from the same seed."""
+    task = MQAR(vocab, n_pairs)
+    n = 64
+    x, ans = task.draw(n, length, gen(7))
+    d = n_pairs or length // 4
+    half = vocab // 2
+    assert x.shape == (n, length) and x.dtype == torch.long and task.vocab_size == vocab
+    keys, values = x[:, 0:2 * d:2], x[:, 1:2 * d:2]
+    assert int(keys.min()) >= 1 and int(keys.max()) < half                  # keys 1..V/2-1
+    assert int(values.min()) >= half and int(values.max()) < vocab          # values V/2..V-1
+    pos = ans.pos.tolist()
+    assert len(pos) == d == ans.target.shape[1] and pos == sorted(set(pos)) and pos[0] == 2 * d
+    assert pos == [2 * d + j * (length - 2 * d) // d for j in range(d)]
+    assert all(b - a >= 2 for a, b in zip(pos, pos[1:])) and pos[-1] < length
+    if length == 4 * d:
+        assert pos == list(range(2 * d, length, 2))                         # the paper's T/4: packed
+    rest = torch.ones(length, dtype=torch.bool)
+    rest[:2 * d] = False
+    rest[ans.pos] = False
+    assert (x[:, rest] == task.FILLER).all()
+    for row in range(n):
+        k, v, q = keys[row].tolist(), values[row].tolist(), x[row, ans.pos].tolist()
+        assert len(set(k)) == d and len(set(v)) == d
+        assert sorted(q) == sorted(k)                                       # every key queried once
+        table = dict(zip(k, v))
+        assert ans.target[row].tolist() == [table[key] for key in q]        # the value paired with it
+    y = task.targets(x, ans)
+    keep = y != IGNORE
+    assert keep.sum(1).tolist() == [d] * n and keep[:, ans.pos].all()
+    assert torch.equal(y[:, ans.pos], ans.target)
+    x2, ans2 = task.draw(n, length, gen(7))
+    assert torch.equal(x, x2) and torch.equal(ans.target, ans2.target)
+    if d > 1:
+        assert not torch.equal(x, task.draw(n, length, gen(8))[0])
+
+
+def test_mqar_draws_uniformly():
+    """Over many rows every key and every value appears, and the query order is not the pairs'."""
+    task = MQAR(32, 0)
+    x, ans = task.draw(2000, 32, gen(1))
+    assert set(x[:, 0:16:2].flatten().tolist()) == set(range(1, 16))
+    assert set(x[:, 1:16:2].flatten().tolist()) == set(range(16, 32))
+    first_query_is_first_key = (x[:, 16] == x[:, 0]).float().mean()
+    assert 0.05 < float(first_query_is_first_key) < 0.2                     # 1/8 by chance
+
+
+def test_mqar_longer_lengths_and_too_few_keys():
+    task = MQAR(64, 0)                                 # 31 keys: at most 31 pairs, so length <= 127
+    assert task.pairs(64) == 16 and task.pairs(127) == 31
+    task.check_length(127)
+    with pytest.raises(ValueError, match="32 key-value pairs, more than the 31 keys"):
+        task.draw(1, 128, gen(0))
+    with pytest.raises(ValueError, match="at least 12"):
+        MQAR(64, 3).draw(1, 11, gen(0))
+    fixed = MQAR(64, 4)                                # fixed pairs: a longer sequence spreads the queries
+    _, ans = fixed.draw(2, 1000, gen(0))
+    assert ans.pos.tolist() == [8, 256, 504, 752]
+
+
+def test_mqar_evaluation_sets_are_fixed_by_seed_and_length():
+    task = MQAR(128, 0)
+    blocks, ans = task.eval_blocks(range(5), 200, seed=3)
+    x = torch.cat(list(blocks), 1)
+    assert x.shape == (5, 200) and torch.equal(ans.pos, task.query_positions(200))
+    for row in range(5):
+        table = dict(zip(x[row, 0:100:2].tolist(), x[row, 1:100:2].tolist()))
+        assert ans.target[row].tolist() == [table[k] for k in x[row, ans.pos].tolist()]
+    blocks, part = task.eval_blocks(range(2, 4), 200, 3)
+    assert torch.equal(torch.cat(list(blocks), 1), x[2:4]) and torch.equal(part.target, ans.target[2:4])
+    assert not torch.equal(torch.cat(list(task.eval_blocks(range(5), 200, 4)[0]), 1), x)
+
+
+# ---- state tracking: parity and a modular sum -------------------------------------------------
+
+@pytest.mark.parametrize("task", [Parity(), Parity(running=True), ModularSum(5), ModularSum(7, running=True)],
+                         ids=["parity", "parity-running", "modsum5", "modsum7-running"])
+@pytest.mark.parametrize("length", [1, 2, 17, 300])
+def test_state_tracking_format(task, length):
+    """Tokens uniform in 0..m-1; the answer the sum mod m of the whole sequence at the last
+    position, or of each prefix at every position (running); the same from the same seed."""
+    m = task.modulus
+    x, ans = task.draw(400, length, gen(11))
+    assert x.shape == (400, length) and int(x.min()) >= 0 and int(x.max()) < m and task.vocab_size == m
+    if length >= 17:
+        assert set(x.flatten().tolist()) == set(range(m))
+    prefix = x.cumsum(1) % m
+    if task.running:
+        assert ans.pos.tolist() == list(range(length)) and torch.equal(ans.target, prefix)
+    else:
+        assert ans.pos.tolist() == [length - 1] and torch.equal(ans.target[:, 0], prefix[:, -1])
+        if m == 2 and length >= 17:
+            assert 0.4 < float(ans.target.float().mean()) < 0.6                 # odd and even alike
+    y = task.targets(x, ans)
+    assert ((y != IGNORE).sum(1) == (length if task.running else 1)).all() and (y[:, -1] == prefix[:, -1]).all()
+    x2, ans2 = task.draw(400, length, gen(11))
+    assert torch.equal(x, x2) and torch.equal(ans.target, ans2.target)
+    assert task.chance() == 1 / m
+
+
+@pytest.mark.parametrize("task", [Parity(), ModularSum(5, running=True)], ids=["parity", "modsum-running"])
+def test_state_tracking_evaluation_sets_span_blocks(task):
+    """A test sequence of 2 x EVAL_BLOCK + 3 comes in blocks; its one answer (running or not: the
+    score is the last position's) is the sum mod m of all of them; rows fixed by (seed, length)."""
+    L = 2 * EVAL_BLOCK + 3
+    blocks, ans = task.eval_blocks(range(3), L, seed=5)
+    blocks = list(blocks)
+    assert [b.shape[1] for b in blocks] == [EVAL_BLOCK, EVAL_BLOCK, 3]
+    x = torch.cat(blocks, 1)
+    assert ans.pos.tolist() == [L - 1] and torch.equal(ans.target[:, 0], x.sum(1) % task.modulus)
+    blocks, part = task.eval_blocks(range(1, 2), L, 5)
+    assert torch.equal(torch.cat(list(blocks), 1), x[1:2]) and torch.equal(part.target, ans.target[1:2])
+
+
+# ---- scoring ----------------------------------------------------------------------------------
+
+class _Oracle(torch.nn.Module):
+    """Logits from the rule itself: `fn(x, state) -> (answer ids (n, L), state)` as one-hot logits.
+    A parameter so that evaluate_task finds a device."""
+
+    def __init__(self, fn, vocab):
+        super().__init__()
+        self.fn, self.vocab, self.p = fn, vocab, torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, x, state=None, return_state=False):
+        ids, state = self.fn(x, state)
+        logits = 30.0 * torch.nn.functional.one_hot(ids, self.vocab).float()
+        return (logits, state) if return_state else logits
+
+
+def _running_sum(m, skip_last=False):
+    def fn(x, state):
+        s0 = torch.zeros(x.shape[0], dtype=torch.long) if state is None else state
+        cs = (s0[:, None] + x.cumsum(1)) % m
+        out = cs.clone()
+        if skip_last:                                   # wrong exactly where the last token counts
+            out[:, 1:] = cs[:, :-1]
+        return out, cs[:, -1]
+    return fn
+
+
+def _recall(x, state):
+    """At each position, the value that followed the same key earlier (the filler if none)."""
+    out = torch.zeros_like(x)
+    for r, row in enumerate(x.tolist()):
+        seen = {}
+        for t, tok in enumerate(row):
+            out[r, t] = seen.get(tok, 0)
+            if t + 1 < len(row) and row[t + 1] and tok not in seen:
+                seen[tok] = row[t + 1]
+    return out, None
+
+
+def test_scoring_reads_the_answer_positions():
+    """The rule itself scores 1 (loss near 0), carried across blocks for the running sum; a
+    model wrong only where the last token matters scores about chance; MQAR's recall, 1."""
+    L = 2 * EVAL_BLOCK + 5
+    for task in (Parity(), ModularSum(5)):
+        ev = evaluate_task(_Oracle(_running_sum(task.modulus), task.modulus), task, L, 4, seed=1)
+        assert ev.accuracy == 1.0 and ev.loss < 1e-6
+        ev = evaluate_task(_Oracle(_running_sum(task.modulus, skip_last=True), task.modulus), task, 64, 400, seed=1)
+        assert abs(ev.accuracy - task.chance()) < 0.1
+    task = MQAR(64, 0)
+    ev = evaluate_task(_Oracle(_recall, 64), task, 96, 8, seed=2, chunked=False)
+    assert ev.accuracy == 1.0 and ev.loss < 1e-6
+    rows = accuracy_by_length(_Oracle(_recall, 64), task, [48, 96], n=4)
+    assert [r["accuracy"] for r in rows] == [1.0, 1.0]
+
+
+# ---- the trainer and the command line ---------------------------------------------------------
+
+NEW_TASKS = {"mqar": {"task.name": "mqar", "task.vocab_size": 64, "data.seq_len": 32},
+             "mqar-fixed": {"task.name": "mqar", "task.vocab_size": 32, "task.n_pairs": 4, "data.seq_len": 40},
+             "parity": {"task.name": "parity", "data.seq_len": 16},
+             "parity-running": {"task.name": "parity", "task.running": "true", "data.seq_len": 16},
+             "modsum": {"task.name": "modsum", "task.modulus": 3, "data.seq_len": 16}}
+
+
+@pytest.mark.parametrize("name", list(NEW_TASKS))
+def test_new_tasks_train_through_the_trainer_with_the_loss_on_the_answers(name):
+    """A few steps of each task; the first step's loss is the cross-entropy at the answer
+    positions alone of the sampler's batch (from a copy of the initial weights)."""
+    cfg = make_config(task_overrides("mamba", **{"train.max_steps": 3, **NEW_TASKS[name]}))
+    tr = Trainer(cfg, None, progress="none")
+    task = make_task(cfg.task)
+    assert tr.task.vocab_size == task.vocab_size == tr.cfg.model.vocab_size
+    model = MambaLM(tr.cfg.model)
+    model.load_state_dict(tr.model.state_dict())
+    x, y = TaskSampler(tr.task, cfg.data.seq_len, seed=cfg.train.seed).draw(8)
+    keep = y != IGNORE
+    want = torch.nn.functional.cross_entropy(model(x)[keep], y[keep]).item()
+    s = tr.run()
+    assert tr.history[0]["loss"] == pytest.approx(want, abs=1e-5)
+    assert s["steps"] == 3 and 0 <= s["val_acc"] <= 1 and s["data"]["task"] == cfg.task.name
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in tr.history)
+
+
+def test_mqar_trains_for_mamba2_and_attention():
+    for arch in ("mamba2", "attention"):
+        s = Trainer(make_config(task_overrides(arch, **{"train.max_steps": 2, **NEW_TASKS["mqar"]})), None,
+                    progress="none").run()
+        assert s["steps"] == 2 and 0 <= s["val_acc"] <= 1
+
+
+@pytest.mark.parametrize("name,lengths", [("mqar", "32,64,124"), ("parity-running", "16,64,20000")])
+def test_cli_trains_and_scores_the_new_tasks(tmp_path, name, lengths):
+    """`train task.name=...` then `eval CKPT --lengths` at the trained and longer lengths; a
+    length the task cannot hold is one error line."""
+    out = tmp_path / "run"
+    r = run_cli("train", "--out", str(out), "--progress", "none",
+                *task_overrides("mamba", **{"train.max_steps": 3, **NEW_TASKS[name]}))
+    assert r.returncode == 0, r.stderr
+    assert "val_acc" in json.loads(r.stdout.splitlines()[0])
+    r = run_cli("eval", str(out / "checkpoint.pt"), "--lengths", lengths, "--n", "8", "--n-long", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["task"] == NEW_TASKS[name]["task.name"]
+    assert [row["length"] for row in res["rows"]] == [int(v) for v in lengths.split(",")]
+    assert all(0 <= row["accuracy"] <= 1 for row in res["rows"])
+    if name == "mqar":                   # 64 / 2 - 1 = 31 keys: 124 positions hold 31 pairs, 128 hold 32
+        r = run_cli("eval", str(out / "checkpoint.pt"), "--lengths", "124")
+        assert r.returncode == 0 and "length       124: accuracy" in r.stdout, r.stdout + r.stderr
+        r = run_cli("eval", str(out / "checkpoint.pt"), "--lengths", "32,128")
+        _assert_one_error_line(r, "32 key-value pairs, more than the 31 keys")
+
+
+@pytest.mark.parametrize("overrides,words", [
+    ({"task.name": "mqar", "task.vocab_size": 2}, "task.vocab_size must be in 4..65536"),
+    ({"task.name": "mqar", "task.n_pairs": -1}, "task.n_pairs must be >= 0"),
+    ({"task.name": "mqar", "task.vocab_size": 16, "data.seq_len": 64}, "16 key-value pairs but task.vocab_size=16 has only 7 keys"),
+    ({"task.name": "mqar", "task.vocab_size": 64, "task.curriculum": "32:5,256"}, "at length 256 has 64"),
+    ({"task.name": "mqar", "task.n_pairs": 8, "data.seq_len": 31}, "at least 32"),
+    ({"task.name": "modsum", "task.modulus": 1}, "task.modulus must be in 2..65536"),
+    ({"task.name": "mqar", "task.running": "true"}, "task.running=true is for task.name=parity or modsum"),
+    ({"task.name": "parity", "task.running": "maybe"}, "task.running"),
+])
+def test_bad_task_settings_are_a_config_error(overrides, words):
+    from sonata.core.errors import ConfigError
+    with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
+        make_config({"data.seq_len": 64, **overrides})
+
+
+def test_a_bad_task_setting_on_the_command_line_is_one_error_line(tmp_path):
+    r = run_cli("train", "--out", str(tmp_path / "bad"), "task.name=mqar", "task.vocab_size=16", "data.seq_len=64")
+    _assert_one_error_line(r, "has only 7 keys")
+
+
+def test_the_grids_and_lengths_are_valid_runs():
+    """Every point of both MQAR grids is a valid configuration (for each architecture of the
+    comparison) whose test lengths the task can hold; the paper's grid is the paper's."""
+    paper, cpu = MQAR_GRIDS["paper"], MQAR_GRIDS["cpu"]
+    assert paper.vocab_size == 8192 and paper.lengths == (256, 512, 1024) and paper.n_layers == 2
+    assert paper.d_models == (32, 64, 128, 256) and 16 in paper.d_states and 256 in paper.d_states
+    assert max(cpu.lengths) < min(paper.lengths) * 2 and cpu.vocab_size < paper.vocab_size
+    for grid in (paper, cpu):
+        for length, d_model, d_state in grid.points():
+            for arch in ("mamba", "mamba2", "attention"):
+                cfg = make_config({**grid.overrides(length, d_model, d_state), "model.arch": arch})
+                assert cfg.data.seq_len == length and cfg.model.d_state == d_state
+            task = make_task(cfg.task)
+            assert task.pairs(length) == length // 4
+            for test_length in grid.test_lengths(length):
+                task.check_length(test_length)
+            assert max(grid.test_lengths(length)) > length
+    train, tests = STATE_TRACKING["train_length"], STATE_TRACKING["test_lengths"]
+    assert train in tests and 4 * train in tests and max(tests) > 4 * train
+    for name in ("parity", "modsum"):
+        make_config({"task.name": name, "data.seq_len": train})
+
+
+def test_a_new_tasks_sampler_resumes_the_same_sequences():
+    task = MQAR(64, 0)
+    a = TaskSampler(task, 32, seed=1, curriculum="16:2,32")
+    a.draw(4)
+    state = a.state_dict()
+    want = a.draw(4)
+    b = TaskSampler(task, 32, seed=9, curriculum="16:2,32")
+    b.load_state_dict(state)
+    got = b.draw(4)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
