@@ -1,4 +1,4 @@
-"""Command line: python -m sonata train | prepare | autotune | bench | generate | eval | export.
+"""Command line: python -m sonata train | prepare | autotune | bench | generate | eval | export | import.
 
     python -m sonata train [--out DIR] [--resume CHECKPOINT | --init CHECKPOINT] [--nproc N] [key=value ...]
     python -m sonata prepare [--progress MODE] [key=value ...]
@@ -8,6 +8,7 @@
     python -m sonata eval CHECKPOINT|DIR --text FILE [--json] [--device auto|cpu|cuda]
     python -m sonata eval CHECKPOINT --lengths L,L,... [--n N] [--n-long N] [--budget-s S] [--json]
     python -m sonata export CHECKPOINT --hf DIR [--force]
+    python -m sonata import DIR --out CHECKPOINT [--force]
 
 A user mistake (unknown key, bad value, missing or corrupt file, empty corpus,
 unsafe checkpoint, an output or cache folder that cannot be written, a full disk)
@@ -29,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from sonata.core.errors import SonataError, TrainingInterrupted, WorkerLost, writable_dir
+from sonata.core.errors import CheckpointError, SonataError, TrainingInterrupted, WorkerLost, writable_dir
 from sonata.core.progress import MODES, resolve_mode
 
 EXIT_USAGE = 2
@@ -95,11 +96,17 @@ def _parser() -> argparse.ArgumentParser:
                          "(default 0: run every length)")
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
     ev.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
-    ex = sub.add_parser("export", help="write a checkpoint as a transformers MambaForCausalLM folder")
+    ex = sub.add_parser("export", help="write a checkpoint as a transformers MambaForCausalLM or "
+                                       "Mamba2ForCausalLM folder")
     ex.add_argument("checkpoint")
     ex.add_argument("--hf", required=True, metavar="DIR", help="output folder (config.json, model.safetensors, ...); "
                                                                  "a new or empty one")
     ex.add_argument("--force", action="store_true", help="replace DIR and everything in it if it is not empty")
+    im = sub.add_parser("import", help="write a transformers Mamba or Mamba-2 folder as a sonata checkpoint "
+                                       "(for train --init)")
+    im.add_argument("folder", metavar="DIR")
+    im.add_argument("--out", required=True, metavar="CHECKPOINT", help="the checkpoint file to write")
+    im.add_argument("--force", action="store_true", help="replace CHECKPOINT if it exists")
     return p
 
 
@@ -133,8 +140,17 @@ def cmd_train(args) -> int:
                        else f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     if not args.resume:                      # a typo in an override creates no folder
         apply_overrides(Config(), args.overrides)
+    try:
+        state, loaded = (ckpt.load(args.resume), args.resume) if args.resume else (None, None)
+    except SonataError as e:
+        e.agreed = True                      # every rank reads the same file: rank 0 says it
+        raise
     if distributed.restart_count() == 0:     # a restarted worker continues its own launch's run
         _claim_run_folder(out, args.resume, args.force)
+        # resuming an older copy in its folder: --out branches, --force discards the later state
+        note = ckpt.claim_for_resume(args.resume, state, out, args.force) if state else None
+        if note and int(os.environ.get("RANK", "0") or 0) == 0:
+            print(note, flush=True)
     writable_dir(out, "output folder")       # before any work: one error line, not a traceback
     if args.nproc is not None:
         if args.nproc < 1:
@@ -160,19 +176,26 @@ def cmd_train(args) -> int:
             print(f"restart {restarted}: resuming from {path}" if mine else
                   f"restart {restarted}: {path} was written by another run, not resumed", flush=True)
     try:
-        state = None
-        if args.resume:
-            state = ckpt.load(args.resume)
-            cfg = Config.from_dict(state["config"])
-        else:
-            cfg = Config()
-        apply_overrides(cfg, args.overrides)
         if args.init and args.resume:
             raise SonataError("--init starts a new run from weights, --resume continues a run: use one")
-        init = ckpt.load(args.init)["model"] if args.init else None
-        trainer = Trainer(cfg, out, state=state, progress=args.progress)
-        if init is not None:
-            trainer.start_from(init)
+        if args.resume and args.resume != loaded:                # a restarted worker's own checkpoint
+            state = ckpt.load(args.resume)
+        cfg = Config.from_dict(state["config"]) if args.resume else Config()
+        init = ckpt.load(args.init) if args.init else None
+        vocab = init["config"]["data"]["vocab_size"] if init and init.get("vocab") else None
+        if vocab:                           # a run from its weights keeps its vocabulary
+            cfg.data.vocab_size = vocab
+        apply_overrides(cfg, args.overrides)
+        if vocab and cfg.data.vocab_size != vocab:
+            raise SonataError(f"--init {args.init} has the vocabulary of data.vocab_size={vocab}, which a run "
+                              f"from its weights keeps: drop data.vocab_size={cfg.data.vocab_size}")
+        try:
+            trainer = Trainer(cfg, out, state=state, progress=args.progress, source=args.resume, init=init)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            if isinstance(e, SonataError) or not (state or init):
+                raise
+            raise CheckpointError(f"checkpoint {args.resume or args.init} does not fit this version of sonata "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
     except SonataError as e:
         _print_error(e, agreed=True)   # the same arguments and files on every rank: rank 0 says it
         return EXIT_USAGE
@@ -282,7 +305,7 @@ def cmd_generate(args) -> int:
 def cmd_eval(args) -> int:
     from sonata.core.device import resolve_device
     from sonata.lab.generate import load_model
-    from sonata.train.evaluate import evaluate_file
+    from sonata.train.evaluate import evaluate_file, trained_precision
 
     if args.device not in ("auto", "cpu", "cuda"):
         raise SonataError(f"--device must be auto, cpu or cuda, not {args.device!r}")
@@ -292,13 +315,16 @@ def cmd_eval(args) -> int:
         return _eval_task(args, model, cfg)
     if args.text is None:
         raise SonataError("eval needs --text FILE for a language model (--lengths is for task checkpoints)")
-    r = evaluate_file(model, vocab, args.text, cfg.data.seq_len)
+    precision = trained_precision(args.checkpoint, device)     # the trainer's figures for int8, bf16
+    r = evaluate_file(model, vocab, args.text, cfg.data.seq_len, precision=precision)
     if args.json:
         print(json.dumps({"loss": r.loss, "bpb": r.bpb, "tokens": r.tokens, "bytes": r.bytes,
-                          "stories": r.stories, "coverage": r.coverage, "seq_len": cfg.data.seq_len}))
+                          "stories": r.stories, "coverage": r.coverage, "seq_len": cfg.data.seq_len,
+                          "precision": precision}))
         return 0
     print(f"{args.text}: {r.stories:,} stories, {r.tokens:,} tokens predicted, {r.bytes:,} bytes "
-          f"(vocabulary of {len(vocab):,}, coverage {r.coverage:.4f}, windows of {cfg.data.seq_len})")
+          f"(vocabulary of {len(vocab):,}, coverage {r.coverage:.4f}, windows of {cfg.data.seq_len}, "
+          f"precision {precision})")
     print(f"validation loss: {r.loss:.4f} nats/token")
     print(f"bits per byte: {r.bpb:.4f}")
     return 0
@@ -318,6 +344,11 @@ def _eval_task(args, model, cfg) -> int:
         raise SonataError(f"--lengths must be comma-separated integers, not {args.lengths!r}") from None
     if not lengths or min(lengths) < task.min_length:
         raise SonataError(f"--lengths: each length must be at least {task.min_length} for the task {task.name!r}")
+    for length in lengths:                  # a task's own limits (mqar: a key per pair)
+        try:
+            task.check_length(length)
+        except ValueError as e:
+            raise SonataError(f"--lengths: {e}") from None
     if args.n < 1 or args.n_long < 1 or args.budget_s < 0:
         raise SonataError("--n and --n-long must be >= 1 and --budget-s >= 0")
     if not args.json:
@@ -343,16 +374,25 @@ def _eval_task(args, model, cfg) -> int:
 
 
 def cmd_export(args) -> int:
-    from sonata.interop.hf import export_hf
+    from sonata.interop.hf import HF_CLASSES, export_hf, hf_family
     from sonata.lab.generate import load_text_model
 
     model, vocab, cfg = load_text_model(args.checkpoint)
-    if cfg.model.arch != "mamba":
-        raise SonataError(f"only a Mamba model (model.arch=mamba) exports as MambaForCausalLM; this one is "
-                          f"{cfg.model.arch!r}")
+    if cfg.model.arch == "gpt2":
+        raise SonataError("model.arch=gpt2 is transformers' own GPT-2; sonata exports mamba and mamba2 models")
+    cls = HF_CLASSES[hf_family(cfg.model)]           # lti, attention, hybrids: one error line
     out = export_hf(model, vocab, args.hf, cfg, force=args.force)
     print(f"wrote {out}: config.json, model.safetensors, generation_config.json, vocab.json, README.md "
-          f"({model.num_params():,} parameters; load with transformers.MambaForCausalLM.from_pretrained)")
+          f"({model.num_params():,} parameters; load with transformers.{cls}.from_pretrained)")
+    return 0
+
+
+def cmd_import(args) -> int:
+    from sonata.interop.hf import import_checkpoint, train_overrides
+
+    out, model, cfg = import_checkpoint(args.folder, args.out, force=args.force)
+    print(f"wrote {out} ({model.num_params():,} parameters, model.arch={cfg.model.arch}); train from it with:\n"
+          f"python -m sonata train --init {out} {' '.join(train_overrides(cfg))}")
     return 0
 
 
@@ -421,7 +461,8 @@ def _run(argv=None) -> int:
     if args.command in ("train", "prepare", "autotune", "bench"):
         resolve_mode(getattr(args, "progress", None))   # a bad mode stops here, before any work or worker
     return {"train": cmd_train, "prepare": cmd_prepare, "autotune": cmd_autotune, "bench": cmd_bench,
-            "generate": cmd_generate, "eval": cmd_eval, "export": cmd_export}[args.command](args)
+            "generate": cmd_generate, "eval": cmd_eval, "export": cmd_export,
+            "import": cmd_import}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ The workers themselves are ordinary `python -m sonata` processes (sonata.train.d
 
 How the launcher learns what happened without reading the workers' text: each worker that
 ends with an `error:` line also writes it as a status file (`report`, STATUS_ENV names the
-folder), with its rank and whether it only lost contact with a peer. A worker that only lost
+folder), with its rank, its attempt (a restart is the next attempt: only the last attempt's
+files say why the launch failed) and whether it only lost contact with a peer. A worker that only lost
 a peer prints nothing under this launcher (the failing rank's own line says more); the
 launcher prints what the status files say is missing: the failing rank's line when rank 0
 had none of its own, else one naming the rank and its exit code.
@@ -27,6 +28,14 @@ from pathlib import Path
 STATUS_ENV = "SONATA_LAUNCH_STATUS"     # set for the workers: the folder of their status files
 
 
+def _attempt() -> int:
+    """This worker's attempt: how often the launcher restarted the workers before it."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
 def under_launcher() -> bool:
     return bool(os.environ.get(STATUS_ENV))
 
@@ -40,13 +49,16 @@ def report(rank: int, line: str, lost_peer: bool) -> None:
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"rank{rank}-{os.getpid()}.json")
         with open(path + ".tmp", "w") as f:
-            json.dump({"rank": rank, "line": line, "lost_peer": lost_peer, "time": time.time()}, f)
+            json.dump({"rank": rank, "line": line, "lost_peer": lost_peer, "time": time.time(),
+                       "attempt": _attempt()}, f)
         os.replace(path + ".tmp", path)
     except OSError:
         pass                     # the launcher then says what it knows itself
 
 
-def _statuses(folder: str, since: float) -> list[dict]:
+def _statuses(folder: str, since: float, attempt: int | None) -> list[dict]:
+    """The status files of the workers of `attempt` (written after `since`), oldest first: an
+    earlier attempt's ranks failed, were restarted and are not why the launch failed."""
     out = []
     for path in glob.glob(os.path.join(folder, "rank*.json")):
         try:
@@ -54,7 +66,7 @@ def _statuses(folder: str, since: float) -> list[dict]:
                 st = json.load(f)
         except (OSError, ValueError):
             continue
-        if st.get("time", 0) >= since:
+        if st.get("time", 0) >= since and attempt in (None, st.get("attempt", 0)):
             out.append(st)
     return sorted(out, key=lambda st: st["time"])
 
@@ -168,7 +180,9 @@ def launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     if failure is None:
         _rmtree(log_dir)
         return 0
-    statuses = _statuses(status_dir, started)
+    attempts = [int(m.group(1)) for p in glob.glob(os.path.join(log_dir, f"{run_id}*", "attempt_*"))
+                if (m := re.search(r"attempt_(\d+)$", p))]
+    statuses = _statuses(status_dir, started, max(attempts, default=None))   # the last attempt's
     said = [st for st in statuses if st["rank"] == 0 and not st["lost_peer"]]     # rank 0's own line, shown
     if isinstance(failure, (KeyboardInterrupt, SignalException)):
         sig = getattr(failure, "sigval", None)

@@ -6,9 +6,13 @@ target (and the folder fsync'ed), so a crash at any moment leaves either the old
 or the new file, never half of one. A write that fails (disk full, I/O error)
 raises `WriteError` naming the path, what was written and how many bytes it
 needed; its temp file is removed and the previous file stays. Temp files left by
-a process that was killed mid-write are removed by the next save. Load:
-`torch.load(weights_only=True)`, so a file that would run code is refused; every
-failure is a `CheckpointError` with one line naming the file and the problem.
+a process that was killed mid-write are removed by the next save. Load: every member
+of the archive (each tensor's storage, the pickle) is checked against the CRC-32 that
+torch.save recorded for it, so a corrupt byte anywhere is refused before anything is
+read; then `torch.load(weights_only=True)`, so a file that would run code is refused;
+a training checkpoint's config must be one this version reads (its keys, types and
+values). Every failure is a `CheckpointError` with one line naming the file and the
+problem.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ from pathlib import Path
 import torch
 
 from sonata.core import inject
-from sonata.core.errors import CheckpointError, WriteError
+from sonata.core.config import Config
+from sonata.core.errors import CheckpointError, ConfigError, SonataError, WriteError
 
 FORMAT = "sonata-checkpoint-v1"
 
@@ -100,6 +105,7 @@ def load(path, map_location="cpu") -> dict:
         raise CheckpointError(f"checkpoint path is a folder, not a file: {path}")
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; a cut one has no directory
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt (not a complete torch archive)")
+    _check_bytes(path)
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
@@ -112,7 +118,28 @@ def load(path, map_location="cpu") -> dict:
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({first[:160]})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a sonata checkpoint")
+    if "config" in state:
+        try:
+            Config.from_dict(state["config"])
+        except ConfigError as e:
+            raise CheckpointError(f"checkpoint {path} holds a configuration this version of sonata cannot "
+                                  f"use (written by another version?): {e}") from None
     return state
+
+
+def _check_bytes(path: Path) -> None:
+    """Each member of the archive against the CRC-32 torch.save recorded for it at save (a
+    tensor's storage is one member): a mismatch is a CheckpointError naming file and member."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({first[:160]})") from None
+    if bad is not None:
+        what = "a tensor's bytes" if "/data/" in bad else "its bytes"
+        raise CheckpointError(f"checkpoint {path} is corrupt: {what} ({bad}) do not match the checksum "
+                              f"recorded when it was saved")
 
 
 class MetricsLog:
@@ -120,13 +147,16 @@ class MetricsLog:
     a resumed run, rows past the checkpoint's step are dropped first (the file is
     rewritten atomically, so a kill at that moment loses nothing), and `last_row`, the
     checkpoint's row of its own step, is added when the file lacks it (the process that
-    writes the file died after the step, before its row)."""
+    writes the file died after the step, before its row). `source`: the metrics of the run a
+    resume branches from (its checkpoint is in another folder), whose rows through the
+    checkpoint's step start this file when it does not exist yet."""
 
-    def __init__(self, path, through_step: int = 0, last_row: dict | None = None):
+    def __init__(self, path, through_step: int = 0, last_row: dict | None = None, source=None):
         self.path = Path(path)
-        if through_step and (self.path.exists() or last_row):
+        read = self.path if self.path.exists() or source is None else Path(source)
+        if through_step and (read.exists() or last_row):
             kept, last = [], 0
-            text = self.path.read_text(errors="replace") if self.path.exists() else ""
+            text = read.read_text(errors="replace") if read.exists() else ""
             for line in text.splitlines():
                 try:
                     row = json.loads(line)
@@ -173,15 +203,78 @@ def run_files(folder) -> list[Path]:
     return sorted(set(found))
 
 
-def keep_last(path, step: int, k: int) -> None:
-    """Keep a copy of checkpoint `path` as `<stem>-step<N>.pt` (a hard link: no second
-    write) and remove all but the last `k` such copies."""
+def copies(path) -> dict[int, Path]:
+    """The kept copies of checkpoint `path` (`<stem>-step<N>.pt`) by step N, in step order."""
     path = Path(path)
+    found = {}
+    for p in path.parent.glob(f"{path.stem}-step*{path.suffix}"):
+        n = p.name[len(path.stem) + len("-step"):-len(path.suffix)]
+        if n.isdigit():
+            found[int(n)] = p
+    return dict(sorted(found.items()))
+
+
+def keep_last(path, step: int, k: int, keep=()) -> None:
+    """Keep a copy of checkpoint `path` as `<stem>-step<N>.pt` (a hard link: no second
+    write) and remove all but the last `k` copies of this run, in numeric step order:
+    the copies of steps up to `step` (a copy of a later step is another timeline's) other
+    than those in `keep` (the copy the run resumed from is never removed)."""
+    path = Path(path)
+    keep = {Path(p).resolve() for p in keep if p}
     copy = path.with_name(f"{path.stem}-step{step:08d}{path.suffix}")
-    try:
-        copy.unlink(missing_ok=True)
-        os.link(path, copy)
-    except OSError:                       # no hard links here: write it out
-        write_atomic(copy, path.read_bytes(), "checkpoint")
-    for old in sorted(path.parent.glob(f"{path.stem}-step*{path.suffix}"))[:-k]:
+    if copy.resolve() not in keep:
+        try:
+            copy.unlink(missing_ok=True)
+            os.link(path, copy)
+        except OSError:                       # no hard links here: write it out
+            write_atomic(copy, path.read_bytes(), "checkpoint")
+    mine = [p for n, p in copies(path).items() if n <= step and p.resolve() not in keep]
+    for old in mine[:-k]:
         old.unlink(missing_ok=True)
+
+
+def _rows_after(metrics: Path, step: int) -> int:
+    n = 0
+    for line in (metrics.read_text(errors="replace").splitlines() if metrics.exists() else ()):
+        try:
+            n += json.loads(line).get("step", 0) > step
+        except (json.JSONDecodeError, AttributeError, TypeError):
+            continue
+    return n
+
+
+def claim_for_resume(resume, state: dict, out, force: bool) -> str | None:
+    """Before resuming checkpoint `resume` (`state`, its loaded dict) into folder `out`. In the
+    checkpoint's own folder, when that run went on past `step` (its checkpoint.pt or a kept
+    copy is of a later step): a SonataError saying what would be lost, pointing at --out (a
+    new folder branches from `resume`, the old run stays whole) and --force (which discards
+    it: the later copies are removed and checkpoint.pt becomes `resume`, so the folder holds
+    one timeline; returns the line saying so). Otherwise nothing happens (None)."""
+    resume, out, step = Path(resume), Path(out), state.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise CheckpointError(f"checkpoint {resume} does not fit this version of sonata (its step is "
+                              f"{step!r}, not a number of steps)")
+    if resume.resolve().parent != out.resolve():
+        return None
+    main = out / "checkpoint.pt"
+    later = [p for n, p in copies(main).items() if n > step]
+    what = [p.name for p in later]
+    if main.exists() and main.resolve() != resume.resolve():
+        try:
+            main_step = int(load(main)["step"])
+        except (CheckpointError, KeyError, TypeError, ValueError):
+            main_step = -1                 # unreadable: nothing of value is lost with it
+        if main_step > step:
+            what.insert(0, f"{main.name} (step {main_step})")
+    if not what:
+        return None
+    rows = _rows_after(out / "metrics.jsonl", step)
+    lost = ", ".join(what) + (f" and {rows} metrics rows" if rows else "")
+    if not force:
+        raise SonataError(f"resuming {resume} (step {step}) in {out} would discard that run's later "
+                          f"state: {lost}; give --out NEW_DIR to continue from step {step} in a new "
+                          f"folder (this one stays whole), or --force to discard it")
+    for p in later:
+        p.unlink(missing_ok=True)
+    write_atomic(main, resume.read_bytes(), "checkpoint")
+    return f"resuming from step {step} of {out}: discarded {lost}"

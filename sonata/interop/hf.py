@@ -1,11 +1,13 @@
 """Hugging Face transformers interchange: export a MambaLM as a `MambaForCausalLM`
-directory, and import such a directory (or any Mamba-1 checkpoint in that layout,
-e.g. the state-spaces/mamba-*-hf family on disk) back into a MambaLM.
+(every layer Mamba-1, `model.arch=mamba`) or `Mamba2ForCausalLM` (every layer Mamba-2,
+`model.arch=mamba2`) directory, and import such a directory (or any checkpoint in that layout,
+e.g. the state-spaces/mamba-*-hf family on disk) back into a MambaLM. Other stacks (lti,
+attention, a hybrid) have no transformers class and are refused in one line.
 
 A directory written by `export_hf` holds:
 
-    config.json             model_type "mamba" and every shape field, use_bias /
-                            use_conv_bias written explicitly
+    config.json             model_type "mamba" or "mamba2" and every shape field, use_bias /
+                            use_conv_bias (and Mamba-2's n_groups, chunk_size) written explicitly
     model.safetensors       the weights; the tied embedding is stored once
                             (backbone.embeddings.weight, no lm_head.weight)
     generation_config.json  end-of-text id and sonata's default sampling settings
@@ -13,10 +15,16 @@ A directory written by `export_hf` holds:
     sonata_config.json      the full sonata config (for further training)
     README.md               how to load it and encode/decode with the vocabulary
 
-The name mapping is the whole conversion: sonata's module names already mirror
-the reference implementation. `a_param=direct` models store A itself; it is
-written as A_log = log(-A), which exists only where A < 0 everywhere.
+The name mapping is the whole conversion, for both families: sonata's module names already
+mirror the reference implementation (Mamba-2: in_proj split [z, xBC, dt], conv1d over xBC,
+dt_bias, A_log, D per head, norm = the gated RMSNorm norm(y * silu(z)) in n_groups groups,
+out_proj; transformers' Mamba2Mixer has the same). `a_param=direct` models store A itself; it
+is written as A_log = log(-A), which exists only where A < 0 everywhere.
 transformers is not needed here: only `safetensors` (transformers loads the result).
+
+`import_checkpoint` (the CLI's `python -m sonata import DIR --out CKPT`) writes an imported
+folder as a sonata checkpoint that `train --init CKPT` starts from, with the overrides that
+rebuild its shape (`train_overrides`).
 """
 from __future__ import annotations
 
@@ -29,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from sonata.core.config import Config
+from sonata.core import checkpoint as ckpt
+from sonata.core.config import Config, ModelConfig
 from sonata.core.errors import CheckpointError, SonataError
 from sonata.data.vocab import Vocab
 from sonata.model.lm import MambaLM
@@ -37,6 +46,7 @@ from sonata.model.lm import MambaLM
 VOCAB_FILE = "vocab.json"
 SONATA_CONFIG_FILE = "sonata_config.json"
 WEIGHTS_FILE = "model.safetensors"
+HF_CLASSES = {"mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM"}   # model_type -> class
 
 
 def _require_safetensors():
@@ -49,8 +59,21 @@ def _require_safetensors():
 
 # --------------------------------------------------------------------------- export
 
+def hf_family(cfg: ModelConfig) -> str:
+    """The transformers model_type a sonata model exports as: "mamba" (every layer Mamba-1) or
+    "mamba2" (every layer Mamba-2); a SonataError, in one line, for any other stack."""
+    kinds = set(cfg.kinds)
+    if len(kinds) == 1 and next(iter(kinds)) in HF_CLASSES:
+        return next(iter(kinds))
+    raise SonataError(f"cannot export to transformers: model.arch={cfg.arch} ({','.join(cfg.kinds)}) has no "
+                      f"transformers class; MambaForCausalLM holds only mamba layers and Mamba2ForCausalLM "
+                      f"only mamba2 layers (no lti, attention or mixed stacks)")
+
+
 def hf_config(model: MambaLM, eot_id: int = Vocab.EOT_ID) -> dict:
-    """transformers' MambaConfig fields for `model`, every shape field explicit."""
+    """transformers' MambaConfig or Mamba2Config fields for `model`, every shape field explicit."""
+    if hf_family(model.cfg) == "mamba2":
+        return _hf_config_mamba2(model.cfg, eot_id)
     c = model.cfg
     return {
         "architectures": ["MambaForCausalLM"],
@@ -81,9 +104,47 @@ def hf_config(model: MambaLM, eot_id: int = Vocab.EOT_ID) -> dict:
     }
 
 
+def _hf_config_mamba2(c: ModelConfig, eot_id: int) -> dict:
+    """Mamba2Config fields. time_step_limit is left at its default (0, inf), the same in every
+    transformers version, because infinity has no JSON form they agree on (5.x writes
+    {"__float__": "Infinity"}); sonata's block applies no dt limit. chunk_size does not change
+    the result (the chunked SSD is exact); sonata's is kept so a round trip gives the same config."""
+    return {
+        "architectures": ["Mamba2ForCausalLM"],
+        "model_type": "mamba2",
+        "hidden_size": c.d_model,
+        "num_hidden_layers": c.n_layers,
+        "state_size": c.d_state,
+        "expand": c.expand,
+        "num_heads": c.nheads,
+        "head_dim": c.headdim,
+        "n_groups": c.ngroups,
+        "chunk_size": c.chunk_size,
+        "conv_kernel": c.d_conv,
+        "vocab_size": c.vocab_size,
+        "layer_norm_epsilon": c.norm_eps,
+        "tie_word_embeddings": True,                     # Mamba2Config's default is False
+        "use_bias": False,
+        "use_conv_bias": True,
+        "hidden_act": "silu",
+        "residual_in_fp32": True,
+        "rescale_prenorm_residual": False,
+        "time_step_min": c.dt_min,
+        "time_step_max": c.dt_max,
+        "time_step_floor": c.dt_init_floor,
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
+        "pad_token_id": eot_id,
+        "use_cache": True,
+        "dtype": "float32",
+    }
+
+
 def hf_state_dict(model: MambaLM) -> dict[str, torch.Tensor]:
     """The model's weights under transformers' names, float32, the tied embedding once.
-    An `a_param=direct` model's A becomes A_log = log(-A); a SonataError if any A >= 0."""
+    An `a_param=direct` model's A becomes A_log = log(-A); a SonataError if any A >= 0 (or if the
+    stack has no transformers class, `hf_family`)."""
+    hf_family(model.cfg)
     out = {}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight":
@@ -101,17 +162,20 @@ def hf_state_dict(model: MambaLM) -> dict[str, torch.Tensor]:
 
 
 def _readme(cfg: dict, n_params: int) -> str:
-    return f"""# A sonata Mamba language model
+    cls = HF_CLASSES[cfg["model_type"]]
+    heads = (f", {cfg['num_heads']} heads of {cfg['head_dim']} in {cfg['n_groups']} groups"
+             if cfg["model_type"] == "mamba2" else "")
+    return f"""# A sonata {'Mamba-2' if cfg['model_type'] == 'mamba2' else 'Mamba'} language model
 
 Exported by `python -m sonata export CKPT --hf DIR`: {n_params:,} parameters,
-{cfg['num_hidden_layers']} layers, hidden size {cfg['hidden_size']}, state size {cfg['state_size']},
+{cfg['num_hidden_layers']} layers, hidden size {cfg['hidden_size']}, state size {cfg['state_size']}{heads},
 vocabulary {cfg['vocab_size']} (sonata's compact vocabulary, `{VOCAB_FILE}`).
 
 ## Load with transformers (no custom code)
 
 ```python
-from transformers import MambaForCausalLM
-model = MambaForCausalLM.from_pretrained("path/to/this/folder")
+from transformers import {cls}
+model = {cls}.from_pretrained("path/to/this/folder")
 ```
 
 ## Encode and decode text
@@ -138,12 +202,16 @@ print(vocab.decode(out[0].tolist()))        # stop at id {Vocab.EOT_ID} (<|endof
 from sonata.lab.generate import load_model
 model, vocab, cfg = load_model("path/to/this/folder")   # a sonata.model.lm.MambaLM
 ```
+
+To train on from these weights: `python -m sonata import path/to/this/folder --out init.pt`
+writes a sonata checkpoint and prints the `python -m sonata train --init init.pt ...` line.
 """
 
 
 def export_hf(model: MambaLM, vocab: Vocab | None, out_dir, cfg: Config | None = None,
               force: bool = False) -> Path:
-    """Write `model` (and its vocabulary) as a transformers MambaForCausalLM directory.
+    """Write `model` (and its vocabulary) as a transformers MambaForCausalLM (Mamba-1) or
+    Mamba2ForCausalLM (Mamba-2) directory; any other stack is a SonataError (`hf_family`).
 
     Atomic: everything is written into a temporary folder beside `out_dir`, which is renamed
     into place only when complete (a kill or a full disk leaves no half-written export). A
@@ -243,25 +311,38 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"{path} has no {WEIGHTS_FILE}, sharded safetensors or pytorch_model.bin")
 
 
+def _is_inf(v) -> bool:
+    """Infinity as transformers' config.json writes it: a float (json's `Infinity`), the string,
+    or 5.x's {"__float__": "Infinity"}."""
+    if isinstance(v, dict):
+        v = v.get("__float__")
+    try:
+        return math.isinf(float(v)) and float(v) > 0
+    except (TypeError, ValueError):
+        return False
+
+
 def config_from_hf(conf: dict, path="") -> Config:
-    """A sonata Config for a transformers MambaConfig dict; refuses what MambaLM cannot hold."""
+    """A sonata Config for a transformers MambaConfig or Mamba2Config dict; refuses, in one line
+    naming the field, what MambaLM cannot hold. The folder's sonata_config.json (an export's) is
+    the base; the shape comes from config.json."""
     def need(key):
         if key not in conf:
             raise CheckpointError(f"{path}/config.json has no {key!r}")
         return conf[key]
 
-    if conf.get("model_type") != "mamba":
-        raise CheckpointError(f"{path}/config.json: model_type is {conf.get('model_type')!r}, "
-                              f"sonata imports Mamba-1 ('mamba') models only")
+    kind = conf.get("model_type")
+    if kind not in HF_CLASSES:
+        raise CheckpointError(f"{path}/config.json: model_type is {kind!r}; sonata imports Mamba-1 ('mamba') "
+                              f"and Mamba-2 ('mamba2') models only")
     if conf.get("use_bias", False):
         raise CheckpointError(f"{path}: use_bias=true (biases on in_proj/out_proj) is not a sonata MambaLM")
     if conf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{path}: hidden_act {conf['hidden_act']!r} is not silu")
-    d, inner = int(need("hidden_size")), conf.get("intermediate_size")
-    expand = int(need("expand"))
-    if inner is not None and int(inner) != expand * d:
-        raise CheckpointError(f"{path}: intermediate_size {inner} is not expand x hidden_size")
-    rank = conf.get("time_step_rank", "auto")
+    d, expand = int(need("hidden_size")), need("expand")
+    if int(expand) != expand:
+        raise CheckpointError(f"{path}: expand {expand} is not a whole number (sonata's model.expand is)")
+    expand = int(expand)
     cfg = Config()
     p = Path(str(path)) / SONATA_CONFIG_FILE if path else None
     if p is not None and p.exists():
@@ -270,21 +351,57 @@ def config_from_hf(conf: dict, path="") -> Config:
         except (json.JSONDecodeError, SonataError) as e:
             raise CheckpointError(f"{p} is not a sonata config ({e})") from None
     m = cfg.model
+    m.arch, m.layers = kind, ""
     m.d_model, m.n_layers, m.d_state, m.expand = d, int(need("num_hidden_layers")), int(need("state_size")), expand
     m.d_conv = int(conf.get("conv_kernel", 4))
-    m.dt_rank = math.ceil(d / 16) if rank == "auto" else int(rank)
     m.vocab_size = int(need("vocab_size"))
     m.norm_eps = float(conf.get("layer_norm_epsilon", 1e-5))
     m.a_param = "log"
+    for ours, theirs in (("dt_min", "time_step_min"), ("dt_max", "time_step_max"), ("dt_init_floor", "time_step_floor")):
+        if theirs in conf:                               # initialisation only: kept for the record
+            setattr(m, ours, float(conf[theirs]))
+    if kind == "mamba2":
+        _mamba2_fields(conf, m, need, path)
+    else:
+        inner, rank = conf.get("intermediate_size"), conf.get("time_step_rank", "auto")
+        if inner is not None and int(inner) != expand * d:
+            raise CheckpointError(f"{path}: intermediate_size {inner} is not expand x hidden_size")
+        m.dt_rank = math.ceil(d / 16) if rank == "auto" else int(rank)
     if m.vocab_size >= 258:
         cfg.data.vocab_size = m.vocab_size
-    return cfg.validate()
+    try:
+        return cfg.validate()
+    except SonataError as e:
+        raise CheckpointError(f"{path}: config.json is not a model sonata can build ({e})") from None
+
+
+def _mamba2_fields(conf: dict, m: ModelConfig, need, path) -> None:
+    """Mamba2Config's head layout and what its mixer computes, checked against Mamba2Mixer: missing
+    fields take transformers' defaults (n_groups 8, chunk_size 256), as from_pretrained would."""
+    heads, headdim = int(need("num_heads")), int(need("head_dim"))
+    groups, chunk = int(conf.get("n_groups", 8)), int(conf.get("chunk_size", 256))
+    if heads * headdim != m.expand * m.d_model:
+        raise CheckpointError(f"{path}: num_heads x head_dim ({heads} x {headdim}) is not expand x hidden_size "
+                              f"({m.expand * m.d_model})")
+    if groups <= 0 or heads % groups:
+        raise CheckpointError(f"{path}: n_groups {groups} does not divide num_heads {heads} (each group of B "
+                              f"and C is shared by num_heads / n_groups heads)")
+    limit = conf.get("time_step_limit", [0.0, math.inf])
+    if not (isinstance(limit, (list, tuple)) and len(limit) == 2 and limit[0] == 0 and _is_inf(limit[1])):
+        raise CheckpointError(f"{path}: time_step_limit {limit} clamps dt; sonata's mamba2 block has no dt "
+                              f"limit (only (0, inf))")
+    if conf.get("norm_before_gate", False) or not conf.get("rms_norm", True):
+        raise CheckpointError(f"{path}: norm_before_gate=true or rms_norm=false; sonata's mamba2 block is "
+                              f"norm(y * silu(z)), an RMSNorm after the gate")
+    if chunk <= 0:
+        raise CheckpointError(f"{path}: chunk_size {chunk} is not positive")
+    m.headdim, m.ngroups, m.chunk_size = headdim, groups, chunk
 
 
 def sonata_state_dict(weights: dict[str, torch.Tensor], cfg: Config, conf: dict, path="") -> dict[str, torch.Tensor]:
-    """transformers' Mamba weights (names as in its state_dict) under MambaLM's names, float32
-    (a float32 tensor is passed through, not copied: `sonata.interop.hf_accelerate` shares storage
-    this way); the tied head checked and set, a missing conv bias (use_conv_bias=false) zero."""
+    """transformers' Mamba or Mamba-2 weights (names as in its state_dict) under MambaLM's names,
+    float32 (a float32 tensor is passed through, not copied: `sonata.interop.hf_accelerate` shares
+    storage this way); the tied head checked and set, a missing conv bias (use_conv_bias=false) zero."""
     sd = {}
     for k, t in weights.items():
         k = k.removeprefix("backbone.").replace("embeddings.", "embedding.", 1)
@@ -297,15 +414,16 @@ def sonata_state_dict(weights: dict[str, torch.Tensor], cfg: Config, conf: dict,
                               f"ties them (tie_word_embeddings must be true)")
     sd["lm_head.weight"] = sd["embedding.weight"]
     for i in range(cfg.model.n_layers):                   # use_conv_bias=false: a zero bias is the same
-        key = f"layers.{i}.mixer.conv1d.bias"
-        if key not in sd and not conf.get("use_conv_bias", True):
-            sd[key] = torch.zeros(cfg.model.d_inner)
+        key, weight = f"layers.{i}.mixer.conv1d.bias", sd.get(f"layers.{i}.mixer.conv1d.weight")
+        if key not in sd and not conf.get("use_conv_bias", True) and weight is not None:
+            sd[key] = torch.zeros(weight.shape[0])        # d_inner (Mamba-1), d_inner + 2 G N (Mamba-2)
     return sd
 
 
 def import_hf(path, device="cpu") -> tuple[MambaLM, Vocab | None, Config]:
     """MambaLM (eval mode), its vocabulary (None unless the folder has sonata's) and a Config,
-    from a transformers Mamba-1 folder: one exported here, or e.g. state-spaces/mamba-130m-hf."""
+    from a transformers Mamba-1 or Mamba-2 folder: one exported here, a `Mamba2ForCausalLM`'s
+    save_pretrained (tie_word_embeddings=true), or e.g. state-spaces/mamba-130m-hf."""
     path = Path(path)
     if not is_hf_dir(path):
         raise CheckpointError(f"{path} is not a transformers model folder (no config.json)")
@@ -324,5 +442,30 @@ def import_hf(path, device="cpu") -> tuple[MambaLM, Vocab | None, Config]:
     return model.to(device).eval(), load_vocab(path), cfg
 
 
-__all__ = ["export_hf", "import_hf", "hf_config", "hf_state_dict", "config_from_hf", "load_vocab",
-           "is_hf_dir", "sonata_state_dict"]
+def train_overrides(cfg: Config) -> list[str]:
+    """The `key=value` overrides that make `train` build `cfg`'s model shape, so `train --init`
+    loads an imported checkpoint (a new run otherwise builds the default model)."""
+    m = cfg.model
+    keys = ["arch", "d_model", "n_layers", "d_state", "expand", "d_conv", "norm_eps"]
+    keys += ["headdim", "ngroups", "chunk_size"] if m.arch == "mamba2" else ["dt_rank", "a_param"]
+    out = [f"model.{k}={getattr(m, k)}" for k in keys]
+    return out + ([f"data.vocab_size={m.vocab_size}"] if m.vocab_size >= 258 else [])
+
+
+def import_checkpoint(path, out, force: bool = False) -> tuple[Path, MambaLM, Config]:
+    """A transformers Mamba or Mamba-2 folder written as a sonata checkpoint `out` (the model's
+    weights, its config, and its vocabulary when the folder has sonata's): what `train --init`
+    starts from (with `train_overrides(cfg)`), and `generate` / `eval` read when it has a vocabulary.
+    An existing `out` is refused unless `force`."""
+    out = Path(out)
+    if out.is_dir() or (out.exists() and not force):
+        raise SonataError(f"--out {out} exists; choose a new file name (or --force to replace the file)")
+    model, vocab, cfg = import_hf(path)
+    state = {"model": model.state_dict(), "config": cfg.to_dict()}
+    if vocab is not None:
+        state["vocab"] = vocab.state_dict()
+    return ckpt.save(state, out), model, cfg
+
+
+__all__ = ["export_hf", "import_hf", "import_checkpoint", "hf_config", "hf_family", "hf_state_dict",
+           "config_from_hf", "load_vocab", "is_hf_dir", "sonata_state_dict", "train_overrides", "HF_CLASSES"]

@@ -1,7 +1,8 @@
 """Validation: loss per token and bits per UTF-8 byte of a model over a token stream
 (every token predicted exactly once, windows of seq_len), optionally sharded over
 data-parallel ranks; `evaluate_file` scores any UTF-8 text file the same way
-(`python -m sonata eval`)."""
+(`python -m sonata eval`), under the precision the checkpoint trained with
+(`trained_precision`), so it gives the trainer's figures for an int8 or bf16 run too."""
 from __future__ import annotations
 
 import math
@@ -12,10 +13,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sonata.core.device import autocast_for
-from sonata.core.errors import DataError
+from sonata.core import checkpoint as ckpt
+from sonata.core.device import autocast_for, check_precision
+from sonata.core.errors import ConfigError, DataError
 from sonata.data.batches import val_batches
 from sonata.data.sources import _read_text, split_stories
+from sonata.model.quant import set_int8
 from sonata.train import distributed
 
 
@@ -79,13 +82,29 @@ class TextEval(EvalResult):
     coverage: float = 1.0     # share of o200k tokens the vocabulary keeps whole
 
 
-def evaluate_file(model, vocab, path, seq_len: int, batch: int = 16) -> TextEval:
+def trained_precision(path, device) -> str:
+    """The precision a checkpoint's run trained and validated with (its plan's: fp32, fp16,
+    bf16 or int8), when it can run on `device`, else fp32; an exported folder's weights: fp32."""
+    if Path(path).is_dir():
+        return "fp32"
+    plan = ckpt.load(path).get("plan")
+    precision = plan.get("precision", "fp32") if isinstance(plan, dict) else "fp32"
+    if precision in ("fp16", "bf16"):
+        try:
+            check_precision(precision, torch.device(device))
+        except ConfigError:
+            return "fp32"
+    return precision if precision in ("fp16", "bf16", "int8") else "fp32"
+
+
+def evaluate_file(model, vocab, path, seq_len: int, batch: int = 16, precision: str = "fp32") -> TextEval:
     """Validation loss and bits per byte of `model` on a UTF-8 text file, scored exactly
     as the trainer scores its validation split: the text's stories (separated by
     <|endoftext|>, or the whole text as one story), stripped, each followed by
     <|endoftext|>, encoded with `vocab` (the checkpoint's own) and predicted in windows
     of `seq_len`, every token once; bytes are counted by `vocab.byte_lengths` (a story
-    boundary counts as one byte). The file is read whole. A missing or unreadable file,
+    boundary counts as one byte), under `precision` (int8: the model's projections fake-quantized
+    while it runs, as in training). The file is read whole. A missing or unreadable file,
     text that is not UTF-8, or one shorter than seq_len + 1 tokens (one full window) is a
     DataError."""
     path = Path(path)
@@ -97,6 +116,12 @@ def evaluate_file(model, vocab, path, seq_len: int, batch: int = 16) -> TextEval
     device = next(model.parameters()).device
     stream = torch.from_numpy(ids).to(device)
     byte_len = torch.from_numpy(vocab.byte_lengths).to(device)
-    r = evaluate_stream(model, stream, byte_len, seq_len, batch)
+    if precision == "int8":
+        set_int8(model, True)
+    try:
+        r = evaluate_stream(model, stream, byte_len, seq_len, batch, precision=precision)
+    finally:
+        if precision == "int8":
+            set_int8(model, False)
     return TextEval(loss=r.loss, bpb=r.bpb, tokens=r.tokens, bytes=r.bytes, stories=len(stories),
                     coverage=coverage)

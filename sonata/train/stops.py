@@ -31,8 +31,9 @@ def _emergency(tr, reason: str) -> Path | None:
     return tr.save_checkpoint() if tr.out_dir else None
 
 
-def _where(tr) -> str:
-    return str(tr.out_dir / "checkpoint.pt") if tr.out_dir else "(no --out)"
+def _saved(path: Path | None) -> bool:
+    """A checkpoint is there to name (a model with non-finite weights is never written)."""
+    return path is not None and path.exists()
 
 
 def diverged(tr) -> None:
@@ -40,17 +41,21 @@ def diverged(tr) -> None:
     n = tr.update.consecutive_nonfinite
     if n < tr.cfg.train.max_nonfinite:
         return
-    _emergency(tr, "nonfinite")
-    raise TrainingDiverged(f"{n} consecutive non-finite steps, the last at step {tr.step}",
-                           f"updates were skipped, the last good state is in {_where(tr)}",
+    path = _emergency(tr, "nonfinite")
+    old = tr.out_dir / "checkpoint.pt" if tr.out_dir else None
+    where = (f"updates were skipped, the last good state is in {path}" if _saved(path) else
+             f"the model's weights are not finite: {old} keeps an earlier step" if _saved(old) else
+             "the model's weights are not finite: no checkpoint was written" if tr.out_dir else
+             "no checkpoint (no --out)")
+    raise TrainingDiverged(f"{n} consecutive non-finite steps, the last at step {tr.step}", where,
                            "lower train.lr or check the data", step=tr.step, agreed=tr.world > 1)
 
 
 def interrupted(tr, signum: int) -> None:
     name = signal.Signals(signum).name
-    _emergency(tr, name)
+    path = _emergency(tr, name)
     raise TrainingInterrupted(f"stopped by {name} after step {tr.step}",
-                              f"resume with --resume {tr.out_dir / 'checkpoint.pt' if tr.out_dir else '?'}",
+                              f"resume with --resume {path}" if _saved(path) else "no checkpoint was written",
                               signum=signum, step=tr.step, agreed=tr.world > 1)
 
 

@@ -72,24 +72,35 @@ class _StopSignal:
             signal.signal(sig, old)
 
 
-def _data(cfg: Config, state: dict | None, device, budget_bytes: int, progress):
+def _data(cfg: Config, vocab_state: dict | None, device, budget_bytes: int, progress):
     """(task, corpus): a synthetic task's fresh sequences, or a corpus (language modeling; a
-    resumed run keeps its checkpoint's vocabulary)."""
+    resumed run, or one from another run's weights, keeps that checkpoint's vocabulary)."""
     if cfg.task.name:
         return make_task(cfg.task), None
-    vocab = Vocab.from_state_dict(state["vocab"]) if state else None
+    vocab = Vocab.from_state_dict(vocab_state) if vocab_state else None
     return None, build_corpus(cfg.data, device, vocab=vocab, progress=progress, budget_bytes=budget_bytes)
+
+
+def _metrics_log(tr) -> ckpt.MetricsLog | None:
+    """Rank 0's metrics.jsonl (a branch from another folder's checkpoint starts with its rows)."""
+    if not tr.is_main:
+        return None
+    branched = tr.source is not None and tr.source.resolve().parent != tr.out_dir.resolve()
+    return ckpt.MetricsLog(tr.out_dir / "metrics.jsonl", through_step=tr.step, last_row=tr._resumed_last_row,
+                           source=tr.source.parent / "metrics.jsonl" if branched else None)
 
 
 class Trainer:
     """trainer = Trainer(cfg, out_dir); trainer.run() -> summary dict.
 
-    `state`: a checkpoint's dict to resume from (a budgeted run resumes in steps:
-    `continue_in_steps`); `progress`: auto | bar | lines | none.
-    `trainer.plan` is what the run trains with; `cfg` stays what was asked (but for
-    a resumed budgeted run's train.*, which `continue_in_steps` turns into steps)."""
+    `state`: a checkpoint's dict to resume from (budgeted: in steps, `continue_in_steps`),
+    `source` its file (never pruned by train.keep_checkpoints; in another folder, its metrics
+    rows start this run's); `init`: a checkpoint's dict whose weights and vocabulary start a
+    new run (`train --init`); `progress`: auto | bar | lines | none. `trainer.plan` is what
+    the run trains with; `cfg` stays what was asked (but a resumed budgeted run's train.*)."""
 
-    def __init__(self, cfg: Config, out_dir=None, state: dict | None = None, progress: str | None = None):
+    def __init__(self, cfg: Config, out_dir=None, state: dict | None = None, progress: str | None = None,
+                 source=None, init: dict | None = None):
         cfg.validate()
         saved_budget = (state or {}).get("config", {}).get("train", {}).get("max_seconds")
         # the checkpoint's budget, time and steps when resuming a budgeted run (the summary says it)
@@ -130,13 +141,17 @@ class Trainer:
         self.injected_leak = InjectedLeak(cfg.debug.leak)     # debug.leak: the micro-step hook
         self.before_step: list = []                           # hooks(trainer) run before each step
         self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.source = Path(source) if source else None
         self.progress_mode = progress
-        self.task, self.corpus = _data(cfg, state, self.device, self.profile.memory_budget_bytes, progress)
+        self.task, self.corpus = _data(cfg, (state or init or {}).get("vocab"), self.device,
+                                       self.profile.memory_budget_bytes, progress)
         vocab_size = self.task.vocab_size if self.task else len(self.corpus.vocab)
         self.cfg = cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab_size))   # the caller's stays
         seed_everything(t.seed)
         self.model = build_model(cfg).to(self.device)
         set_int8(self.model, self.plan.precision == "int8")
+        if init:
+            self.start_from(init["model"])
         # micro-steps, clip, the optimizer step or its skip (AdamW, fp16's GradScaler)
         self.update = Updater(self.model, cfg, self.device, self.plan.precision, self.task, self.injected_leak)
         self.optimizer, self.scaler = self.update.optimizer, self.update.scaler
@@ -157,8 +172,7 @@ class Trainer:
         self._last_row: dict | None = None          # the metrics row of the last completed step
         self._resumed_last_row: dict | None = None
         self.emergency_reason: str | None = None
-        self._byte_len = (torch.from_numpy(self.corpus.vocab.byte_lengths).to(self.device)
-                          if self.corpus else None)
+        self._byte_len = torch.from_numpy(self.corpus.vocab.byte_lengths).to(self.device) if self.corpus else None
         if state:
             self.load_state_dict(state)
             if self.autotune_result:
@@ -185,7 +199,7 @@ class Trainer:
         """The training state of `state_dict()` (the plan is resolved in __init__)."""
         try:
             self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.update.load_optimizer(state["optimizer"])
             if state.get("scaler"):
                 self.scaler.load_state_dict(state["scaler"])
             self.sampler.load_state_dict(state["sampler"])
@@ -197,7 +211,8 @@ class Trainer:
             self._last_row = self._resumed_last_row = state.get("last_row")
             set_rng_state(state["rng"])
         except (KeyError, RuntimeError, ValueError, TypeError) as e:
-            raise CheckpointError(f"checkpoint does not match this configuration: {str(e).splitlines()[0][:200]}") from None
+            raise CheckpointError(f"checkpoint {self.source or ''} does not match this configuration: "
+                                  f"{str(e).splitlines()[0][:200]}") from None
         self.optimizer.zero_grad(set_to_none=True)
 
     def start_from(self, model_state: dict) -> None:
@@ -226,7 +241,7 @@ class Trainer:
         t0 = time.perf_counter()
         ckpt.save(self.state_dict(), path)
         if self.cfg.train.keep_checkpoints and path.name == "checkpoint.pt":
-            ckpt.keep_last(path, self.step, self.cfg.train.keep_checkpoints)
+            ckpt.keep_last(path, self.step, self.cfg.train.keep_checkpoints, keep=(self.source,))
         self.checkpoint_seconds.append(time.perf_counter() - t0)
         self._last_save = time.monotonic()
         return path
@@ -340,7 +355,7 @@ class Trainer:
         with stops.on_lost_peer(self):           # autotuning and DDP's construction talk to the peers too
             self._prepare()
         self.setup_seconds = time.perf_counter() - t_start       # autotuning, DDP, kernel warm-up
-        metrics = self._open_metrics() if self.out_dir else None
+        metrics = _metrics_log(self) if self.out_dir else None
         tboard = TensorBoardLog(self.out_dir) if metrics and t.tensorboard else None
         speed = Throughput()
         last_eval: EvalResult | None = None
@@ -461,12 +476,6 @@ class Trainer:
         step time (the maximum over ranks is the step's training time everywhere)."""
         extra = [*numbers, self._stop.signum or 0, self._step_s] if numbers is not None else []
         return distributed.agree_on_trip(err, extra)
-
-    def _open_metrics(self) -> ckpt.MetricsLog | None:
-        if not self.is_main:
-            return None
-        return ckpt.MetricsLog(self.out_dir / "metrics.jsonl", through_step=self.step,
-                               last_row=self._resumed_last_row)
 
     def _finish(self, last_eval: EvalResult, speed: Throughput, t_start: float) -> dict:
         """The summary (sonata.train.summary), written with the final checkpoint on rank 0; its wall

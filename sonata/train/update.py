@@ -37,6 +37,15 @@ class Updater:
         self.counters = {"nonfinite_steps": 0, "scaler_skipped_steps": 0}
         self.consecutive_nonfinite = 0
 
+    def load_optimizer(self, state: dict) -> None:
+        """A checkpoint's optimizer state (moments, step counts) under this run's AdamW
+        settings: a resume's train.weight_decay and train.beta2 apply (the saved groups'
+        values would otherwise win while the run's config says otherwise)."""
+        ours = [{k: g[k] for k in ("weight_decay", "betas", "eps")} for g in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(state)
+        for g, settings in zip(self.optimizer.param_groups, ours):
+            g.update(settings)
+
     def __call__(self, net, x, y, plan: Plan) -> tuple[float, float, str | None]:
         """-> (mean loss, gradient norm, why the update was skipped or None)."""
         loss_sum = self._micro_steps(net, x, y, plan)

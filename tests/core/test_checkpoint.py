@@ -47,3 +47,69 @@ def test_foreign_file_is_not_a_sonata_checkpoint(tmp_path):
         ckpt.load(tmp_path / "other.pt")
     with pytest.raises(CheckpointError, match="not found"):
         ckpt.load(tmp_path / "missing.pt")
+
+
+def _flip_middle(path, n=2000):
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + n] = bytes(b ^ 0xFF for b in data[mid:mid + n])
+    path.write_bytes(bytes(data))
+
+
+def test_corrupt_tensor_bytes_are_refused_naming_the_file(tmp_path):
+    """Issue 42 item 6: a checkpoint with 2,000 bytes flipped mid-file (inside a tensor's
+    storage) loaded, resumed, generated and exported. Each member's checksum, recorded when
+    it was saved, is now checked at load: a mismatch is a CheckpointError naming the file."""
+    p = ckpt.save({"w": torch.randn(20_000), "step": 3}, tmp_path / "c.pt")
+    assert torch.equal(ckpt.load(p)["w"], torch.load(p, weights_only=True)["w"])   # intact: loads
+    _flip_middle(p)
+    assert torch.load(p, weights_only=True)["step"] == 3          # torch itself does not notice
+    with pytest.raises(CheckpointError) as e:
+        ckpt.load(p)
+    assert str(p) in str(e.value) and "corrupt" in str(e.value) and "checksum" in str(e.value)
+
+
+def _copy_names(folder):
+    return sorted(p.name for p in folder.glob("checkpoint-step*.pt"))
+
+
+def test_keep_last_prunes_this_timelines_copies_in_step_order_and_spares_the_resumed_copy(tmp_path):
+    """Issue 42 item 2: pruning sorted the copies' names and counted every copy in the folder,
+    so a run resumed from an older copy deleted that copy and kept the abandoned timeline's
+    later one. Now: this run's copies (steps up to its own) in numeric step order, never the
+    one it resumed from."""
+    main = tmp_path / "checkpoint.pt"
+    for step in (10, 20, 30, 40):
+        ckpt.save({"step": step}, main)
+        ckpt.keep_last(main, step, 2)
+    assert _copy_names(tmp_path) == ["checkpoint-step00000030.pt", "checkpoint-step00000040.pt"]
+    resumed = tmp_path / "checkpoint-step00000030.pt"
+    for step in (31, 32, 33):                   # a timeline branched from step 30
+        ckpt.save({"step": step}, main)
+        ckpt.keep_last(main, step, 2, keep=(resumed,))
+    assert _copy_names(tmp_path) == ["checkpoint-step00000030.pt", "checkpoint-step00000032.pt",
+                                     "checkpoint-step00000033.pt", "checkpoint-step00000040.pt"]
+    assert ckpt.load(resumed)["step"] == 30
+    assert list(ckpt.copies(main)) == [30, 32, 33, 40]           # by step
+
+
+@pytest.mark.parametrize("section, key, value, fragment", [
+    ("model", "d_model", "32", "bad value for model.d_model: '32' is not an int"),
+    ("train", "max_steps", 8.0, "bad value for train.max_steps: 8.0 is not an int"),
+    ("model", "old_field", 1, "unknown config key model.old_field"),
+    ("data", None, [1], "config section 'data' is a list"),
+])
+def test_a_checkpoint_of_another_version_is_one_error_naming_the_file(tmp_path, section, key, value, fragment):
+    """Issue 42 item 13: fields of another type gave tracebacks later (in the trainer, the
+    model), and "unknown config key" did not name the checkpoint."""
+    from sonata.core.config import Config
+    cfg = Config().to_dict()
+    if key is None:
+        cfg[section] = value
+    else:
+        cfg[section][key] = value
+    p = ckpt.save({"config": cfg, "step": 0}, tmp_path / "old.pt")
+    with pytest.raises(CheckpointError) as e:
+        ckpt.load(p)
+    assert str(p) in str(e.value) and fragment in str(e.value) and "another version" in str(e.value)
+    assert ckpt.load(ckpt.save({"config": Config().to_dict(), "step": 0}, tmp_path / "ok.pt"))["step"] == 0

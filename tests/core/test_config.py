@@ -108,3 +108,24 @@ def test_a_constraint_with_attention_is_one_error_line_on_the_command_line(tmp_p
     r = run_cli("train", "--out", str(tmp_path / "run"), "model.arch=attention", "model.a_constraint=true",
                 "train.max_steps=2")
     _assert_one_error_line(r, "has no A to constrain")
+
+
+@pytest.mark.parametrize("override", ["model.dt_max=inf", "train.weight_decay=inf", "model.a_min=inf",
+                                      "model.dt_init_floor=inf", "model.norm_eps=inf", "train.grad_clip=inf",
+                                      "model.dt_max=nan"])
+def test_infinite_and_nan_values_are_refused(override):
+    """Issue 42 item 10: inf passed every range check (dt_max, weight_decay, a_min, ...) and
+    made a NaN model: a ConfigError naming the key now."""
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=f"{key} must be a finite number, not (inf|nan)"):
+        make_config([override])
+    with pytest.raises(ConfigError):
+        Config.from_dict({key.split(".")[0]: {key.split(".")[1]: float("inf")}})
+
+
+def test_an_infinite_value_is_one_error_line_and_no_folder(tmp_path):
+    from conftest import _assert_one_error_line, run_cli
+    out = tmp_path / "run"
+    r = run_cli("train", "--out", str(out), "model.dt_max=inf", "train.max_steps=2")
+    _assert_one_error_line(r, "model.dt_max must be a finite number, not inf")
+    assert not out.exists()

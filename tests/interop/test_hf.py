@@ -1,8 +1,9 @@
-"""Hugging Face interchange against transformers' MambaForCausalLM as the peer oracle
-(random weights saved to a temporary folder, CPU only, nothing downloaded). The fast decoder
-is tested in test_decode.py (it does not need transformers)."""
+"""Hugging Face interchange against transformers' MambaForCausalLM and Mamba2ForCausalLM as the
+peer oracles (random weights saved to a temporary folder, CPU only, nothing downloaded). The
+fast decoder is tested in test_decode.py (it does not need transformers)."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -10,12 +11,13 @@ import pytest
 import torch
 
 from sonata.core import checkpoint as ckpt
-from sonata.core.config import Config
+from sonata.core.config import Config, ModelConfig, make_config
 from sonata.core.errors import CheckpointError, SonataError
 from sonata.data.vocab import Vocab
-from sonata.interop.hf import export_hf, import_hf
+from sonata.interop.hf import export_hf, import_hf, train_overrides
 from sonata.lab.generate import load_model
 from sonata.model.lm import MambaLM
+from conftest import _assert_one_error_line, run_cli, tiny_overrides
 from models import VOCAB, _ids, _sonata, _vocab
 
 transformers = pytest.importorskip("transformers")
@@ -135,8 +137,8 @@ def test_cli_export_refuses_positive_direct_A_with_one_error_line(tmp_path):
 
 
 def test_import_refuses_foreign_folders(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba2", "hidden_size": 8}))
-    with pytest.raises(CheckpointError, match="Mamba-1"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    with pytest.raises(CheckpointError, match=r"model_type is 'llama'; sonata imports Mamba-1 .* and Mamba-2"):
         import_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "mamba", "hidden_size": 32, "num_hidden_layers": 2, "state_size": 8, "expand": 2,
@@ -199,3 +201,218 @@ def test_import_refuses_shards_outside_the_folder(tmp_path):
         json.dumps({"weight_map": {"backbone.embeddings.weight": "../outside.safetensors"}}))
     with pytest.raises(CheckpointError, match="outside its folder"):
         import_hf(tmp_path / "hf")
+
+
+
+# --------------------------------------------------------------------------- Mamba-2
+
+def _sonata2(seed=0, **kw) -> MambaLM:
+    """A small Mamba-2 MambaLM (8 heads of 8 in 2 groups, chunk 8 so a 37-token input has a partial
+    chunk) with every parameter moved off its initial value; the embedding scaled up so the logits
+    are not tiny (std about 0.5: a 1e-5 agreement means something)."""
+    torch.manual_seed(seed)
+    c = dict(arch="mamba2", d_model=32, n_layers=2, d_state=8, headdim=8, ngroups=2, chunk_size=8,
+             vocab_size=VOCAB)
+    m = MambaLM(ModelConfig(**{**c, **kw})).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("A_log"):
+                p.add_(torch.randn_like(p) * 0.3)
+            elif p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.2)
+            else:
+                p.mul_(torch.empty_like(p).uniform_(0.7, 1.3))
+        m.embedding.weight.mul_(5)
+    return m
+
+
+def _hf2(path):
+    _assert_transformers_own_mamba2_path()
+    return transformers.Mamba2ForCausalLM.from_pretrained(str(path)).eval()
+
+
+def _assert_transformers_own_mamba2_path():
+    """The peer is transformers' own PyTorch code: had sonata's mamba_ssm shim (or mamba_ssm) been
+    importable when transformers' Mamba-2 module was imported, its ops would be resolved to those
+    (at import, `use_kernel_func_from_hub_with_fallback`) and the comparison would be circular."""
+    from transformers.models.mamba2 import modeling_mamba2 as mm
+    for name in ("mamba2_chunk_scan", "mamba2_selective_state_update", "causal_conv1d_fn", "causal_conv1d_update"):
+        f = getattr(mm, name)
+        cells = dict(zip(f.__code__.co_freevars, f.__closure__ or ()))
+        if "is_new_implementation" in cells:                # this transformers' wrapper (5.x)
+            assert cells["is_new_implementation"].cell_contents is False, f"transformers' {name} is not its own"
+
+
+def _random_hf2(path, seed=3, **kw):
+    """A random transformers Mamba2ForCausalLM saved to `path` (every parameter perturbed)."""
+    torch.manual_seed(seed)
+    c = dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, state_size=6, expand=2, num_heads=8,
+             head_dim=12, n_groups=2, chunk_size=16, conv_kernel=3, layer_norm_epsilon=1e-6,
+             tie_word_embeddings=True)
+    _assert_transformers_own_mamba2_path()
+    hf = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(**{**c, **kw})).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf.save_pretrained(str(path))
+    return hf
+
+
+@pytest.mark.parametrize("ngroups,chunk", [(1, 8), (2, 8), (4, 64)])
+def test_mamba2_export_logits_match_transformers(tmp_path, ngroups, chunk):
+    """Measured max |logit difference| on this CPU (float32, 3 x 37 tokens): about 2e-7 at
+    logits of std 0.5; the bound is 1e-5."""
+    m = _sonata2(ngroups=ngroups, chunk_size=chunk)
+    export_hf(m, _vocab(), tmp_path / "hf")
+    conf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert conf["model_type"] == "mamba2" and conf["architectures"] == ["Mamba2ForCausalLM"]
+    assert (conf["hidden_size"], conf["num_hidden_layers"], conf["state_size"], conf["num_heads"],
+            conf["head_dim"], conf["n_groups"], conf["chunk_size"], conf["vocab_size"]) == \
+        (32, 2, 8, 8, 8, ngroups, chunk, VOCAB)
+    assert conf["use_bias"] is False and conf["use_conv_bias"] is True and conf["tie_word_embeddings"] is True
+    assert "Mamba2ForCausalLM" in (tmp_path / "hf" / "README.md").read_text()
+    hf = _hf2(tmp_path / "hf")
+    assert hf.lm_head.weight.data_ptr() == hf.backbone.embeddings.weight.data_ptr()
+    assert hf.backbone.layers[0].mixer.norm.group_size == 64 // ngroups
+    idx = _ids(3, 37)
+    with torch.no_grad():
+        ours, theirs = m(idx), hf(idx).logits
+    assert theirs.shape == ours.shape
+    diff = (ours - theirs).abs().max().item()
+    print(f"mamba2 export ngroups={ngroups} chunk={chunk}: max |logit diff| {diff:.2e}, logit std {ours.std():.3f}")
+    assert diff < 1e-5
+    assert ours.std().item() > 0.3                                     # not trivially equal
+
+
+def test_mamba2_greedy_64_tokens_same_ids_as_transformers(tmp_path):
+    """transformers decodes with its cache (the recurrent selective_state_update after a chunked
+    prefill), sonata with its fused decoding step: the same 64 greedy ids."""
+    m = _sonata2(seed=4)
+    export_hf(m, _vocab(), tmp_path / "hf")
+    hf = _hf2(tmp_path / "hf")
+    prompt = _ids(2, 11, seed=5)
+    ours = m.generate(prompt, 64, temperature=0)
+    with torch.no_grad():
+        theirs = hf.generate(prompt, max_new_tokens=64, do_sample=False, eos_token_id=None,
+                             pad_token_id=Vocab.EOT_ID, attention_mask=torch.ones_like(prompt))
+    assert theirs.shape == ours.shape == (2, 11 + 64)
+    assert torch.equal(ours, theirs)
+    assert len(set(ours[0, 11:].tolist())) > 1
+
+
+def test_mamba2_round_trip_is_exact(tmp_path):
+    """export -> import gives the same weights bit for bit and the same shape; exporting the
+    import again writes the same config.json and tensors."""
+    m = _sonata2(seed=6, norm_eps=1e-6, d_conv=3)
+    export_hf(m, _vocab(), tmp_path / "a")
+    back, vocab, cfg = import_hf(tmp_path / "a")
+    assert (cfg.model.arch, cfg.model.headdim, cfg.model.ngroups, cfg.model.chunk_size, cfg.model.d_conv,
+            cfg.model.norm_eps, cfg.model.nheads) == ("mamba2", 8, 2, 8, 3, 1e-6, 8)
+    assert torch.equal(torch.from_numpy(vocab.tokens), torch.from_numpy(_vocab().tokens))
+    sd, sd_back = m.state_dict(), back.state_dict()
+    assert sd.keys() == sd_back.keys() and all(torch.equal(sd[k], sd_back[k]) for k in sd)
+    assert back.lm_head.weight is back.embedding.weight
+    export_hf(back, vocab, tmp_path / "b")
+    assert (tmp_path / "a" / "config.json").read_text() == (tmp_path / "b" / "config.json").read_text()
+    from safetensors.torch import load_file
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("conv_bias", [True, False])
+def test_import_of_random_transformers_mamba2_gives_same_logits_and_trains(tmp_path, conv_bias):
+    hf = _random_hf2(tmp_path / "hf", use_conv_bias=conv_bias)
+    m, vocab, cfg = import_hf(tmp_path / "hf")
+    assert vocab is None and (cfg.model.arch, cfg.model.d_model, cfg.model.headdim, cfg.model.ngroups,
+                              cfg.model.chunk_size, cfg.model.d_conv, cfg.model.norm_eps) == \
+        ("mamba2", 48, 12, 2, 16, 3, 1e-6)
+    idx = _ids(2, 41)
+    with torch.no_grad():
+        diff = (m(idx) - hf(idx).logits).abs().max().item()
+    print(f"mamba2 import use_conv_bias={conv_bias}: max |logit diff| {diff:.2e}")
+    assert diff < 1e-5
+    loss = torch.nn.functional.cross_entropy(m.train()(idx).flatten(0, 1), idx.flatten())
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def test_cli_import_of_a_transformers_mamba2_trains_and_exports_back(tmp_path):
+    """`import DIR --out CKPT` prints the `train --init` line; that run trains a few steps from the
+    imported weights; its checkpoint exports back and loads in Mamba2ForCausalLM with sonata's logits."""
+    _random_hf2(tmp_path / "hf")
+    init = tmp_path / "init.pt"
+    r = run_cli("import", str(tmp_path / "hf"), "--out", str(init))
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("python -m sonata train --init"))
+    shape = line.split()[6:]
+    assert "model.arch=mamba2" in shape and "model.headdim=12" in shape and "data.vocab_size=300" in shape
+    run = tmp_path / "run"
+    r = run_cli("train", "--init", str(init), "--out", str(run), "--progress", "none",
+                *tiny_overrides(), *shape)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 6 and torch.isfinite(torch.tensor(summary["val_loss"]))
+    start, trained = ckpt.load(init)["model"], ckpt.load(run / "checkpoint.pt")["model"]
+    assert start.keys() == trained.keys()
+    assert not torch.equal(start["layers.0.mixer.in_proj.weight"], trained["layers.0.mixer.in_proj.weight"])
+    assert (start["layers.0.mixer.A_log"] - trained["layers.0.mixer.A_log"]).abs().max() < 0.1   # it started there
+    r = run_cli("export", str(run / "checkpoint.pt"), "--hf", str(tmp_path / "back"))
+    assert r.returncode == 0 and "Mamba2ForCausalLM" in r.stdout, r.stderr
+    ours, _, _ = load_model(run / "checkpoint.pt")
+    idx = _ids(2, 23)
+    with torch.no_grad():
+        assert (ours(idx) - _hf2(tmp_path / "back")(idx).logits).abs().max().item() < 1e-5
+
+
+def test_train_overrides_rebuild_the_imported_shape_for_both_families(tmp_path):
+    """What `import` prints for `train --init`: a default config with those overrides builds a
+    model the imported weights load into (strictly), Mamba-1 and Mamba-2."""
+    for m in (_sonata(seed=1, d_conv=3, norm_eps=1e-6), _sonata2(seed=1, d_conv=3, headdim=16, ngroups=4)):
+        export_hf(m, _vocab(), tmp_path / m.cfg.arch)
+        back, _, cfg = import_hf(tmp_path / m.cfg.arch)
+        rebuilt = make_config(train_overrides(cfg))
+        assert rebuilt.model.arch == m.cfg.arch and rebuilt.data.vocab_size == VOCAB
+        rebuilt.model.vocab_size = rebuilt.data.vocab_size            # what the trainer sets from its vocabulary
+        MambaLM(rebuilt.model).load_state_dict(back.state_dict())
+
+
+def test_cli_export_refuses_stacks_without_a_transformers_class_in_one_line(tmp_path):
+    for layers in ("mamba2,attention", "mamba,mamba2"):
+        torch.manual_seed(0)
+        m = MambaLM(ModelConfig(layers=layers, d_model=32, d_state=8, headdim=8, vocab_size=VOCAB, n_heads=4))
+        cfg = Config()
+        cfg.model = m.cfg
+        cfg.validate()
+        path = tmp_path / f"{layers.replace(',', '-')}.pt"
+        ckpt.save({"model": m.state_dict(), "config": cfg.to_dict(), "vocab": _vocab().state_dict()}, path)
+        r = run_cli("export", str(path), "--hf", str(tmp_path / "out"))
+        _assert_one_error_line(r, f"cannot export to transformers: model.arch=hybrid ({layers}) has no transformers class")
+        assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("change,fragment", [
+    (dict(n_groups=3), "n_groups 3 does not divide num_heads 8"),
+    (dict(use_bias=True), "use_bias=true"),
+    (dict(time_step_limit=(0.0, 0.1)), "time_step_limit [0.0, 0.1] clamps dt"),
+    (dict(tie_word_embeddings=False), "lm_head.weight differs from the embedding"),
+])
+def test_import_refuses_mamba2_folders_sonata_cannot_represent(tmp_path, change, fragment):
+    _random_hf2(tmp_path / "hf", **change)
+    with pytest.raises(CheckpointError, match=re.escape(fragment)):
+        import_hf(tmp_path / "hf")
+
+
+def test_cli_import_of_an_unrepresentable_mamba2_is_one_error_line(tmp_path):
+    _random_hf2(tmp_path / "hf", n_groups=3)
+    r = run_cli("import", str(tmp_path / "hf"), "--out", str(tmp_path / "x.pt"))
+    _assert_one_error_line(r, "n_groups 3 does not divide num_heads 8")
+    assert not (tmp_path / "x.pt").exists()
+    conf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**conf, "n_groups": 2, "num_heads": 7}))
+    r = run_cli("import", str(tmp_path / "hf"), "--out", str(tmp_path / "x.pt"))
+    _assert_one_error_line(r, "num_heads x head_dim (7 x 12) is not expand x hidden_size (96)")
+    (tmp_path / "x.pt").write_bytes(b"mine")
+    _random_hf2(tmp_path / "ok")
+    r = run_cli("import", str(tmp_path / "ok"), "--out", str(tmp_path / "x.pt"))
+    _assert_one_error_line(r, "exists")
+    assert (tmp_path / "x.pt").read_bytes() == b"mine"

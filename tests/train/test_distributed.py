@@ -183,3 +183,36 @@ def test_lost_peers_are_known_by_type_not_by_words():
         with collective("DDP backward", backend_marks_only=True):
             raise RuntimeError("one of the variables needed for gradient computation has been modified")
     assert not is_comm_error(plain.value)
+
+
+def test_the_launcher_reports_the_last_attempts_failure_not_a_stale_rank(monkeypatch, capsys):
+    """Issue 42 item 16: the --nproc launcher read the status files of every restart attempt,
+    so a line a rank wrote in an attempt that was then restarted could be reported as why the
+    launch failed. Here (torch's elastic launch stood in for) rank 1 fails with its own line in
+    attempt 0, the workers are restarted, and in attempt 1 rank 1 is killed without a word:
+    the report is attempt 1's (rank 1 killed by signal 9), not attempt 0's line."""
+    import torch.distributed.launcher.api as api
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from sonata import launch
+
+    def fake_elastic_launch(config, entrypoint):
+        def run(*args):
+            log_dir = os.path.dirname(os.environ[launch.STATUS_ENV])
+            for attempt in (0, 1):
+                os.makedirs(os.path.join(log_dir, f"{config.run_id}_x", f"attempt_{attempt}", "0"))
+                monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(attempt))
+                if attempt == 0:
+                    launch.report(1, "error: rank 1: a stale failure of the first attempt", lost_peer=False)
+                launch.report(0, "error: lost contact with another process", lost_peer=True)
+            raise ChildFailedError("sonata", {1: ProcessFailure(local_rank=1, pid=12345, exitcode=-9,
+                                                                error_file="/nonexistent/error.json")})
+        return run
+
+    monkeypatch.setattr(api, "elastic_launch", fake_elastic_launch)
+    assert launch.launch(2, ["train", "--out", "/nonexistent/run"], max_restarts=1) == 137
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "stale" not in lines[0], lines
+    assert lines[0].startswith("error: worker rank 1 was killed by signal 9 (the other ranks lost contact with it)")
+    import shutil
+    shutil.rmtree(lines[0].rsplit("the workers' output is in ", 1)[1].split(";")[0], ignore_errors=True)

@@ -123,3 +123,22 @@ def test_loss_by_position_is_the_loss_of_each_window_position(trained):
     total = sum(p * c for p, c in zip(ev.position_loss, counts.tolist()))
     assert total / counts.sum().item() == pytest.approx(ev.loss, rel=1e-6)
     assert tr.evaluate().position_loss == ()
+
+
+@pytest.mark.parametrize("precision", ["int8", "bf16"])
+def test_eval_of_an_int8_or_bf16_checkpoint_gives_the_trainers_figures(tmp_path, capsys, precision):
+    """Issue 42 item 15: the trainer validates under the run's precision (int8: fake-quantized
+    projections; bf16: autocast), eval scored every checkpoint in fp32 and so disagreed with
+    the trainer's figures, contrary to docs/cli.md."""
+    cfg = make_config(tiny_overrides(**{"train.eval_tokens": 0, "train.precision": precision,
+                                        "train.max_steps": 4}))
+    summary = Trainer(cfg, tmp_path, progress="none").run()
+    _, val = split_train_val(load_stories("embedded", max_stories=60), cfg.data.val_fraction)
+    text = tmp_path / "val.txt"
+    text.write_text(f"\n{EOT}\n".join(val) + "\n")
+    assert main(["eval", str(tmp_path / "checkpoint.pt"), "--text", str(text), "--json", "--device", "cpu"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["tokens"] == summary["val_tokens"]
+    assert got["loss"] == pytest.approx(summary["val_loss"], rel=1e-6)
+    assert got["bpb"] == pytest.approx(summary["val_bpb"], rel=1e-6)
+    assert got["precision"] == precision
