@@ -103,6 +103,11 @@ def load(path, map_location="cpu") -> dict:
         raise CheckpointError(f"checkpoint not found: {path}")
     if path.is_dir():
         raise CheckpointError(f"checkpoint path is a folder, not a file: {path}")
+    try:                              # unreadable is not corrupt: say which (is_zipfile says neither)
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({e.strerror or type(e).__name__})") from None
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; a cut one has no directory
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt (not a complete torch archive)")
     _check_bytes(path)

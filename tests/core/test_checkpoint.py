@@ -113,3 +113,20 @@ def test_a_checkpoint_of_another_version_is_one_error_naming_the_file(tmp_path, 
         ckpt.load(p)
     assert str(p) in str(e.value) and fragment in str(e.value) and "another version" in str(e.value)
     assert ckpt.load(ckpt.save({"config": Config().to_dict(), "step": 0}, tmp_path / "ok.pt"))["step"] == 0
+
+
+def test_an_unreadable_checkpoint_is_called_unreadable_not_corrupt(tmp_path, monkeypatch):
+    """Issue 42 item 14: before, a file the user may not read was 'truncated or corrupt'."""
+    import builtins
+    target = tmp_path / "checkpoint.pt"
+    ckpt.save({"w": torch.zeros(3)}, target)
+
+    def denied(path, *a, **k):
+        if str(path) == str(target):
+            raise PermissionError(13, "Permission denied", str(path))
+        return builtins.open(path, *a, **k)
+
+    monkeypatch.setattr(ckpt, "open", denied, raising=False)     # root reads any file: simulate a denial
+    with pytest.raises(CheckpointError, match=r"cannot be read \(Permission denied\)") as e:
+        ckpt.load(target)
+    assert "corrupt" not in str(e.value) and str(target) in str(e.value)
