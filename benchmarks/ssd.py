@@ -1,10 +1,12 @@
 """The SSD (Mamba-2) scan on CPU: sonata's cpu path against transformers' CPU path, the
 readable chunked reference and sonata's Mamba-1 scan; and the decoding step.
 
-    python benchmarks/ssd.py [--quick] [--threads 1] [--rounds 3] [--dtypes fp32 bf16]
+    python benchmarks/ssd.py [--quick] [--threads 1] [--rounds 5] [--dtypes fp32 bf16]
+                             [--no-models | --only-models] [--model-rounds 5] [--model-steps 2]
 
 Table 1, per shape and precision (fp32, or bf16 = torch.autocast("cpu", torch.bfloat16) around
-fp32 inputs), milliseconds per call (median over interleaved rounds):
+fp32 inputs), milliseconds per call (median over interleaved rounds; `f+b speed-up` is the
+median of the per-round ratios transformers / sonata, each round's calls seconds apart):
   sonata        sonata.kernels.ssd.ssd(..., backend="cpu"): forward, and forward+backward
   transformers  transformers' own torch path for Mamba-2, `mamba2_chunk_scan` of
                 transformers.models.mamba2.modeling_mamba2 (the function behind Mamba2Mixer's
@@ -20,6 +22,17 @@ runs with MALLOC_MMAP_THRESHOLD_ fixed so freed tensors go back to the system).
 Table 2, the decoding step at batch 1 (microseconds per step, median of 200): sonata's fused
 ssd_step, its torch-ops reference ssd_step_ref, and transformers' torch
 `mamba2_selective_state_update` (Mamba2Mixer's decoding path) on the same state.
+
+Table 3, the model (--models; off with --no-models): training tokens/s of sonata's LM
+(`sonata.model.lm.MambaLM`, backend cpu) with Mamba-1 blocks at N=16 (model.arch=mamba, the
+default) against Mamba-2 blocks (model.arch=mamba2, headdim 32, chunk 64) at N = 16, 64,
+128, same d_model and depth: the seed size (d_model 96, 2 layers, batch 16 x L 128) and a
+larger one (d_model 256, 2 layers, batch 4 x L 512), vocabulary 512, fp32 and bf16 (autocast
+around the forward; `precision=fast` is bf16 only where the CPU multiplies bf16 natively,
+fp32 here otherwise). A step is forward, sonata's cross-entropy on float32 logits, backward
+and fused AdamW (`sonata.lab.speed.race_step`'s step, the trainer's steady CPU heap). The
+models take turns in interleaved rounds (order rotated), `x Mamba-1` is the median of the
+per-round ratios, so the host's drift cancels.
 
 One run, one host: compare rows with each other, not with other runs. On a host shared with
 other work, use --threads 1: with 2 OpenMP threads on 2 busy cores every torch op waits at a
@@ -165,9 +178,10 @@ def bench_shape(shape, dtype, rounds, budget_s):
     ref = outs["transformers"].double()
     diff = ((outs["sonata"].double() - ref).norm() / ref.norm()).item()
     fb = ms["sonata", True]
+    speedup = statistics.median(t / s for t, s in zip(times["transformers", True], times["sonata", True]))
     return [f"{name}, {b}x{L}", dtype, f"{ms['sonata', False]:.1f}", f"{fb:.1f}", f"{b * L / fb * 1e3:,.0f}",
             f"{ms['transformers', False]:.1f}", f"{ms['transformers', True]:.1f}",
-            f"{ms['transformers', True] / fb:.1f}x", f"{ms['chunked ref', True]:.1f}", f"{ms['mamba-1', True]:.1f}",
+            f"{speedup:.1f}x", f"{ms['chunked ref', True]:.1f}", f"{ms['mamba-1', True]:.1f}",
             f"{mem['sonata']} / {mem['transformers']}", f"{diff:.1e}"]
 
 
@@ -201,13 +215,68 @@ def bench_step(h, p, n, steps=200):
     return [f"h{h} p{p} N{n}", *out.values(), f"{diff:.1e}"]
 
 
+# name, d_model, batch, L
+MODEL_SIZES = [("seed", 96, 16, 128), ("d256", 256, 4, 512)]
+MODEL_ROWS = [("mamba N16", "mamba", 16), ("mamba2 N16", "mamba2", 16), ("mamba2 N64", "mamba2", 64),
+              ("mamba2 N128", "mamba2", 128)]
+
+
+def model_step(arch, n, d_model, batch, L, dtype, vocab=512, seed=0):
+    """-> step(): one training step of sonata's LM (2 layers of `arch` at d_state n, backend
+    cpu) on a fixed random batch: forward under bf16 autocast for dtype bf16, sonata's loss on
+    float32 logits, backward, fused AdamW."""
+    from sonata.core.config import ModelConfig
+    from sonata.kernels import cross_entropy
+    from sonata.model.lm import MambaLM
+    torch.manual_seed(seed)
+    model = MambaLM(ModelConfig(arch=arch, d_model=d_model, n_layers=2, d_state=n, vocab_size=vocab,
+                                backend="cpu"))
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randint(0, vocab, (2, batch, L), generator=g)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            logits = model(x)
+        cross_entropy(logits.float(), y, "cpu").backward()
+        opt.step()
+    return step
+
+
+def bench_models(size, dtype, rounds, steps, warmup=2):
+    """Rows of table 3 for one size and precision: tokens/s (median round) and the median of
+    the per-round ratios to Mamba-1 N=16."""
+    name, d, batch, L = size
+    fns = {row[0]: model_step(row[1], row[2], d, batch, L, dtype) for row in MODEL_ROWS}
+    for f in fns.values():
+        for _ in range(warmup):
+            f()
+    tps = {k: [] for k in fns}
+    keys = list(fns)
+    for r in range(rounds):
+        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fns[k]()
+            tps[k].append(steps * batch * L / (time.perf_counter() - t0))
+    base = tps[MODEL_ROWS[0][0]]
+    return [[f"{name}: d_model {d}, 2 layers, {batch}x{L}", dtype, k, f"{statistics.median(v):,.0f}",
+             f"{statistics.median(a / b for a, b in zip(v, base)):.2f}x", f"{min(v):,.0f}-{max(v):,.0f}"]
+            for k, v in tps.items()]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="three shapes, fp32, plus bf16 at the first")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=12.0, help="most seconds of rounds per implementation")
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    ap.add_argument("--no-models", action="store_true", help="skip table 3 (the models' training speed)")
+    ap.add_argument("--model-rounds", type=int, default=5)
+    ap.add_argument("--model-steps", type=int, default=2, help="steps per model per round")
+    ap.add_argument("--only-models", action="store_true", help="table 3 alone")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -216,17 +285,36 @@ def main(argv=None):
         plan = [(SHAPES[i], "fp32") for i in QUICK] + [(SHAPES[QUICK[0]], "bf16")]
     else:
         plan = [(s, d) for d in args.dtypes for s in SHAPES]
+    if args.only_models:
+        plan = []
     rows = []
     for shape, dtype in plan:
         rows.append(bench_shape(shape, dtype, args.rounds, args.budget_s))
         print("  done:", rows[-1][0], dtype, file=sys.stderr, flush=True)
-    print_table(["shape, batch x L", "dtype", "sonata fwd ms", "sonata f+b ms", "sonata f+b tok/s",
-                 "transformers fwd ms", "transformers f+b ms", "f+b speed-up", "chunked ref f+b ms",
-                 "mamba-1 f+b ms", "peak MiB sonata / transformers", "max diff"], rows,
-                title=f"SSD scan, median of up to {args.rounds} interleaved rounds after a warm-up")
-    steps = [bench_step(12, 16, 16), bench_step(24, 64, 128)]
-    print_table(["decode step, batch 1", "sonata ssd_step us", "ssd_step_ref us", "transformers us", "max diff"],
-                steps, title="SSD decoding step (state updated in place), median of 200 steps")
+    if plan:
+        print_table(["shape, batch x L", "dtype", "sonata fwd ms", "sonata f+b ms", "sonata f+b tok/s",
+                     "transformers fwd ms", "transformers f+b ms", "f+b speed-up", "chunked ref f+b ms",
+                     "mamba-1 f+b ms", "peak MiB sonata / transformers", "max diff"], rows,
+                    title=f"SSD scan, median of up to {args.rounds} interleaved rounds after a warm-up; "
+                          f"speed-up: median of the per-round ratios transformers / sonata (f+b)")
+        steps = [bench_step(12, 16, 16), bench_step(24, 64, 128)]
+        print_table(["decode step, batch 1", "sonata ssd_step us", "ssd_step_ref us", "transformers us",
+                     "max diff"], steps,
+                    title="SSD decoding step (state updated in place), median of 200 steps")
+    if args.no_models:
+        return
+    from sonata.train.memory import steady_cpu_heap
+    steady_cpu_heap()                       # the trainer's heap: no page faults from step to step
+    mrows = []
+    sizes = MODEL_SIZES[:1] if args.quick else MODEL_SIZES
+    for size in sizes:
+        for dtype in (["fp32"] if args.quick else args.dtypes):
+            mrows += bench_models(size, dtype, args.model_rounds, args.model_steps)
+            print("  done: models", size[0], dtype, file=sys.stderr, flush=True)
+    print_table(["size", "dtype", "model (backend cpu)", "train tokens/s", "x Mamba-1 N16", "tokens/s range"],
+                mrows, title=f"training speed of sonata's LM, Mamba-1 against Mamba-2 (headdim 32, chunk "
+                             f"64), {args.model_rounds} interleaved rounds x {args.model_steps} steps after a "
+                             f"warm-up")
 
 
 if __name__ == "__main__":

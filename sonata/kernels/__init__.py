@@ -26,9 +26,12 @@ for the `cpu` backend, PyTorch ops for the others, which is their design and not
 `cpu` falling back (no numba, a GPU tensor) counts) and `conv_silu(xz, weight, bias, backend)`
 (the model's depthwise causal convolution + SiLU of in_proj's first half, and its second half,
 the gate, both handed on in the scan's (batch, dim, L) layout: fused in numba for `cpu`,
-PyTorch's conv1d + SiLU otherwise). `cross_entropy(logits, target, backend)` is the training
-loss (mean over rows): one fused numba pass for `cpu` that leaves the gradient ready for the
-backward, PyTorch's F.cross_entropy otherwise.
+PyTorch's conv1d + SiLU otherwise), and for Mamba-2 `causal_conv_silu(x, weight, bias, backend)`
+(the convolution alone, over x, B and C) and `rms_norm_gated(x, weight, z, eps, group_size,
+norm_before_gate, backend)` (the gated, grouped output norm), fused the same way.
+`cross_entropy(logits, target, backend)` is the training loss (mean over rows): one fused
+numba pass for `cpu` that leaves the gradient ready for the backward, PyTorch's
+F.cross_entropy otherwise.
 """
 from __future__ import annotations
 
@@ -40,9 +43,10 @@ import warnings
 
 import torch
 
-from sonata.kernels.autograd import ConvSiluFn, CrossEntropyFn, RMSNormFn, fused_scan
-from sonata.kernels.reference import (conv_silu_ref, cross_entropy_ref, project_delta, rms_norm_ref,
-                                     selective_scan_ref)
+from sonata.kernels.autograd import (CausalConvSiluFn, ConvSiluFn, CrossEntropyFn, RMSNormFn, RMSNormGatedFn,
+                                    fused_scan)
+from sonata.kernels.reference import (conv_silu_ref, cross_entropy_ref, project_delta, rms_norm_gated_ref,
+                                     rms_norm_ref, selective_scan_ref)
 
 BACKENDS = ("auto", "reference", "cpu", "triton")
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -177,6 +181,32 @@ def conv_silu(xz, weight, bias, backend="auto"):
     return conv_silu_ref(xz[..., :dim], weight, bias), xz[..., dim:]
 
 
+def causal_conv_silu(x, weight, bias, backend="auto"):
+    """Mamba-2's convolution: x (batch, L, dim), any strides (the xBC slice of in_proj's
+    output) -> silu(depthwise causal conv1d(x) + bias), (batch, L, dim); `conv_silu_ref`'s
+    semantics. weight (dim, 1, K), bias (dim,) or None. Fused in numba for the `cpu` backend
+    (the output C-contiguous), PyTorch's conv1d + SiLU otherwise."""
+    impl = _fused_cpu(backend, x)
+    if impl is not None:
+        return CausalConvSiluFn.apply(impl, x, weight, bias)
+    return conv_silu_ref(x, weight, bias)
+
+
+def rms_norm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=True, backend="auto"):
+    """Mamba-2's gated, grouped RMSNorm, `rms_norm_gated_ref`'s semantics (no bias): with z and
+    not norm_before_gate (the block's order) norm(x * silu(z)), with norm_before_gate norm(x) *
+    silu(z), over groups of `group_size` channels (None: one group). Fused in numba for the
+    `cpu` backend (float32 arithmetic, the result in x's dtype), PyTorch ops otherwise."""
+    d = x.shape[-1]
+    g = group_size or d
+    if d % g:
+        raise ValueError(f"rms_norm_gated: group_size {g} must divide the {d} channels")
+    impl = _fused_cpu(backend, x)
+    if impl is not None:
+        return RMSNormGatedFn.apply(impl, x, weight, z, eps, g, norm_before_gate)
+    return rms_norm_gated_ref(x, weight, z, eps, g, norm_before_gate)
+
+
 def cross_entropy(logits, target, backend="auto"):
     """Mean cross-entropy of logits (..., V) against integer targets (...) in [0, V): the
     training loss. A target outside the range raises IndexError (no ignored index)."""
@@ -187,7 +217,8 @@ def cross_entropy(logits, target, backend="auto"):
     return cross_entropy_ref(logits, target)
 
 
-__all__ = ["selective_scan", "selective_scan_ref", "conv_silu", "conv_silu_ref",
+__all__ = ["selective_scan", "selective_scan_ref", "conv_silu", "conv_silu_ref", "causal_conv_silu",
+           "rms_norm_gated", "rms_norm_gated_ref",
            "rms_norm", "rms_norm_ref", "cross_entropy", "cross_entropy_ref", "fallback_count",
            "reset_fallback_count",
            "resolve_backend", "use_triton_interpreter_without_gpu", "BACKENDS"]

@@ -57,6 +57,45 @@ class ConvSiluFn(torch.autograd.Function):
         return None, dxz, dw, db
 
 
+class CausalConvSiluFn(torch.autograd.Function):
+    """u = CausalConvSiluFn.apply(impl, x, weight, bias): a backend's fused depthwise causal
+    conv + SiLU over all of x's channels, (batch, L, dim) in and out (Mamba-2's conv over x, B,
+    C; causal_conv_silu_forward(x, weight, bias) -> u; causal_conv_silu_backward(du, x, weight,
+    bias) -> (dx, dweight, dbias)). Saves only the input: the backward recomputes the rest."""
+
+    @staticmethod
+    def forward(ctx, impl, x, weight, bias):
+        ctx.impl = impl
+        ctx.save_for_backward(x, weight, bias)
+        return impl.causal_conv_silu_forward(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, du):
+        x, weight, bias = ctx.saved_tensors
+        dx, dw, db = ctx.impl.causal_conv_silu_backward(du, x, weight, bias)
+        return None, dx, dw, db
+
+
+class RMSNormGatedFn(torch.autograd.Function):
+    """out = RMSNormGatedFn.apply(impl, x, weight, z, eps, group_size, norm_before_gate): a
+    backend's fused gated, grouped RMSNorm (rms_norm_gated_forward(...) -> (out, rstd);
+    rms_norm_gated_backward(dout, x, weight, z, rstd, group_size, norm_before_gate) -> (dx,
+    dweight, dz)). Saves x, z and the per-row, per-group 1/rms."""
+
+    @staticmethod
+    def forward(ctx, impl, x, weight, z, eps, group_size, norm_before_gate):
+        out, rstd = impl.rms_norm_gated_forward(x, weight, z, eps, group_size, norm_before_gate)
+        ctx.impl, ctx.group_size, ctx.before = impl, group_size, norm_before_gate
+        ctx.save_for_backward(x, weight, z, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight, z, rstd = ctx.saved_tensors
+        dx, dw, dz = ctx.impl.rms_norm_gated_backward(dout, x, weight, z, rstd, ctx.group_size, ctx.before)
+        return None, dx, dw, dz, None, None, None
+
+
 class CrossEntropyFn(torch.autograd.Function):
     """loss = CrossEntropyFn.apply(impl, logits, target): a backend's fused mean cross-entropy
     (cross_entropy_forward(logits, target) -> (loss, saved); cross_entropy_backward(dloss, saved,

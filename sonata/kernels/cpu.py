@@ -7,13 +7,15 @@ The kernels live by family, each file beside the others' shared maths:
     cpu_scan.py   the selective scan, forward and hand-written backward (its docstring says
                   how the work is laid out; docs/kernels.md derives the backward)
     cpu_conv.py   the depthwise causal conv + SiLU and the gate's move into the scan's layout
-    cpu_norm.py   RMSNorm
+                  (or the conv alone: Mamba-2's over x, B, C)
+    cpu_norm.py   RMSNorm, and Mamba-2's gated, grouped RMSNorm
     cpu_loss.py   the cross-entropy loss
 
 This module turns torch tensors into the arrays the kernels read (no copy when a tensor
 already is one), allocates their outputs and partials, and is what `sonata.kernels` loads
-as the backend: forward / backward, conv_silu_forward / _backward, rms_norm_forward /
-_backward, cross_entropy_forward / _backward. numba compiles each kernel on first use and
+as the backend: forward / backward, conv_silu_forward / _backward, causal_conv_silu_forward /
+_backward, rms_norm_forward / _backward, rms_norm_gated_forward / _backward,
+cross_entropy_forward / _backward. numba compiles each kernel on first use and
 caches it on disk, keyed by every source of this folder (`numba_cache`).
 """
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch
 
 from sonata.kernels.cpu_conv import _conv_silu_backward_kernel, _conv_silu_forward_kernel, _sum_batch
 from sonata.kernels.cpu_loss import _cross_entropy_backward_kernel, _cross_entropy_forward_kernel
-from sonata.kernels.cpu_norm import _rms_norm_backward_kernel, _rms_norm_forward_kernel
+from sonata.kernels.cpu_norm import (_rms_norm_backward_kernel, _rms_norm_forward_kernel,
+                                     _rms_norm_gated_backward_kernel, _rms_norm_gated_forward_kernel)
 from sonata.kernels.cpu_scan import _backward_kernel, _forward_kernel
 from sonata.kernels.cpu_simd import W
 from sonata.kernels.reference import compute_dtype
@@ -252,7 +255,7 @@ def conv_silu_forward(xz, weight, bias):
     zout = torch.empty((batch, dim, L), dtype=ct)
     _conv_silu_forward_kernel(_np(xz[..., :dim], ct), _np(xz[..., dim:], ct),
                               _np(weight.reshape(dim, -1), ct), _optional(bias, ct, (dim,)), n_workers,
-                              out.numpy(), zout.numpy())
+                              True, out.numpy(), zout.numpy())
     return _as(out, xz.dtype).transpose(1, 2), _as(zout, xz.dtype)
 
 
@@ -268,7 +271,7 @@ def conv_silu_backward(du, dz, xz, weight, bias):
     db_part = torch.empty((batch, dim), dtype=ct)
     _conv_silu_backward_kernel(*_either_layout(du, ct), _activation(dz, ct), _np(xz[..., :dim], ct),
                                _np(weight.reshape(dim, K), ct), _optional(bias, ct, (dim,)), n_workers,
-                               dxz[..., :dim].numpy(), dxz[..., dim:].numpy(),
+                               True, dxz[..., :dim].numpy(), dxz[..., dim:].numpy(),
                                dw_part.numpy().reshape(batch, dim, K), db_part.numpy())
     dw = torch.empty(dim * K, dtype=ct)
     _sum_batch(dw_part.numpy(), dw.numpy())
@@ -278,6 +281,76 @@ def conv_silu_backward(du, dz, xz, weight, bias):
         _sum_batch(db_part.numpy(), db.numpy())
         db = _as(db, bias.dtype)
     return _as(dxz, xz.dtype), _as(dw.reshape(weight.shape), weight.dtype), db
+
+
+def causal_conv_silu_forward(x, weight, bias):
+    """x (batch, L, dim), any strides (Mamba-2's xBC slice of in_proj's output) -> silu(depthwise
+    causal conv of x + bias), a C-contiguous (batch, L, dim) tensor in x's dtype. The
+    convolution of `conv_silu_forward` without the gate (any width)."""
+    n_workers = _set_threads()
+    ct = compute_dtype(x.dtype)
+    batch, L, dim = x.shape
+    out = torch.empty((batch, L, dim), dtype=ct)
+    xa = _np(x, ct)
+    _conv_silu_forward_kernel(xa, xa, _np(weight.reshape(dim, -1), ct), _optional(bias, ct, (dim,)),
+                              n_workers, False, out.numpy(), np.empty((1, 1, 1), dtype=xa.dtype))
+    return _as(out, x.dtype)
+
+
+def causal_conv_silu_backward(dout, x, weight, bias):
+    """dout (batch, L, dim) -> (dx (batch, L, dim) in x's dtype, dweight like weight, dbias like
+    bias or None)."""
+    n_workers = _set_threads()
+    ct = compute_dtype(x.dtype)
+    batch, L, dim = x.shape
+    K = weight.shape[-1]
+    dx = torch.empty((batch, L, dim), dtype=ct)
+    dw_part = torch.empty((batch, dim * K), dtype=ct)
+    db_part = torch.empty((batch, dim), dtype=ct)
+    dxa = dx.numpy()
+    no_gate = np.empty((1, 1, 1), dtype=dxa.dtype)
+    _conv_silu_backward_kernel(*_either_layout(dout.transpose(1, 2), ct), no_gate,
+                               _np(x, ct), _np(weight.reshape(dim, K), ct), _optional(bias, ct, (dim,)),
+                               n_workers, False, dxa, dxa, dw_part.numpy().reshape(batch, dim, K),
+                               db_part.numpy())
+    dw = torch.empty(dim * K, dtype=ct)
+    _sum_batch(dw_part.numpy(), dw.numpy())
+    db = None
+    if bias is not None:
+        db = torch.empty(dim, dtype=ct)
+        _sum_batch(db_part.numpy(), db.numpy())
+        db = _as(db, bias.dtype)
+    return _as(dx, x.dtype), _as(dw.reshape(weight.shape), weight.dtype), db
+
+
+def rms_norm_gated_forward(x, weight, z, eps, group_size, norm_before_gate):
+    """x (..., d), z like x or None, any strides -> (out like x, rstd (rows, d // group_size) in
+    the compute dtype, saved for the backward). The semantics of `rms_norm_gated_ref` (no bias)."""
+    ct = compute_dtype(x.dtype)
+    d = x.shape[-1]
+    x2 = _np(x.reshape(-1, d), ct)
+    z2 = x2 if z is None else _np(z.reshape(-1, d), ct)
+    out = torch.empty(x2.shape, dtype=ct)
+    rstd = torch.empty((x2.shape[0], d // group_size), dtype=ct)
+    _rms_norm_gated_forward_kernel(x2, z2, _np(weight, ct), float(eps), int(group_size), z is not None,
+                                   bool(norm_before_gate), out.numpy(), rstd.numpy())
+    return _as(out.reshape(x.shape), x.dtype), rstd
+
+
+def rms_norm_gated_backward(dout, x, weight, z, rstd, group_size, norm_before_gate):
+    """-> (dx like x, dweight like weight, dz like z or None)."""
+    ct = compute_dtype(x.dtype)
+    d = x.shape[-1]
+    x2 = _np(x.reshape(-1, d), ct)
+    z2 = x2 if z is None else _np(z.reshape(-1, d), ct)
+    dx = torch.empty(x2.shape, dtype=ct)
+    dz = torch.empty(x2.shape, dtype=ct) if z is not None else dx
+    dw = torch.empty(d, dtype=ct)
+    _rms_norm_gated_backward_kernel(_np(dout.reshape(-1, d), ct), x2, z2, _np(weight, ct), rstd.numpy(),
+                                    int(group_size), z is not None, bool(norm_before_gate),
+                                    dx.numpy(), dz.numpy(), dw.numpy())
+    return (_as(dx.reshape(x.shape), x.dtype), _as(dw, weight.dtype),
+            None if z is None else _as(dz.reshape(z.shape), z.dtype))
 
 
 def rms_norm_forward(x, weight, eps):

@@ -23,6 +23,8 @@ from sonata.kernels.cpu_simd import WC, _jit, _vec, _inline, _sigmoid, _take
 # The same work items move the gate z (the other half of in_proj's output) into the scan's
 # layout, and in the backward write dz back beside dx: the gradient of the whole projection
 # output comes out of one kernel (no torch.cat of the halves, no transposed copies of z).
+# Without move_z the kernels are the convolution alone, over any number of channels (Mamba-2's
+# conv over x, B and C, wider than its gate).
 
 @njit(**_inline)
 def _conv_item(item, n_blocks, x, K, xb):
@@ -83,9 +85,9 @@ def _conv_pre(xr, w, d, bias_d, K, t):
 
 
 @njit(parallel=True, **_vec)
-def _conv_silu_forward_kernel(x, z, w, bias, n_workers, out, zout):
+def _conv_silu_forward_kernel(x, z, w, bias, n_workers, move_z, out, zout):
     # x, z: (batch, L, dim) any strides   w: (dim, K)   bias: (dim,)   out: (batch, L, dim)
-    # zout: (batch, dim, L)
+    # zout: (batch, dim, L); neither z nor zout is read without move_z (Mamba-2: no gate here)
     batch, L, dim = x.shape
     K = w.shape[1]
     n_blocks = -(-dim // WC)
@@ -105,13 +107,15 @@ def _conv_silu_forward_kernel(x, z, w, bias, n_workers, out, zout):
                 for t in range(L):
                     ur[t] = ur[t] * _sigmoid(ur[t], one)
             _from_rows(ub, out, b, d0, nw)
-            _to_rows(z, b, d0, nw, 0, zout[b, d0:d0 + nw])
+            if move_z:
+                _to_rows(z, b, d0, nw, 0, zout[b, d0:d0 + nw])
             item = _take(queue)
 
 
 @njit(parallel=True, **_vec)
-def _conv_silu_backward_kernel(dout, dout_tm, dz, x, w, bias, n_workers, dx, dzx, dw_part, db_part):
-    # dout: (batch, dim, L), or (batch, L, dim) when dout_tm   dz: (batch, dim, L)
+def _conv_silu_backward_kernel(dout, dout_tm, dz, x, w, bias, n_workers, move_z, dx, dzx, dw_part, db_part):
+    # dout: (batch, dim, L), or (batch, L, dim) when dout_tm   dz: (batch, dim, L) (read, and
+    # dzx written, only with move_z)
     # x, dx, dzx: (batch, L, dim) any strides
     # dw_part: (batch, dim, K)   db_part: (batch, dim)
     batch, L, dim = x.shape
@@ -162,7 +166,8 @@ def _conv_silu_backward_kernel(dout, dout_tm, dz, x, w, bias, n_workers, dx, dzx
                             s_dx += w[d, k] * gr[t + K - 1 - k]
                         dxr[t] = s_dx
             _from_rows(dxb, dx, b, d0, nw)
-            _from_rows(dz[b, d0:d0 + nw], dzx, b, d0, nw)
+            if move_z:
+                _from_rows(dz[b, d0:d0 + nw], dzx, b, d0, nw)
             item = _take(queue)
 
 

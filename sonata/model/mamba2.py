@@ -9,6 +9,9 @@ them (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj):
                      as (G, N), D per head)                 `sonata.kernels.ssd.ssd`
     out        = out_proj(norm(y * silu(z)))               RMSNorm grouped by G (GatedRMSNorm)
 
+On the `cpu` backend the convolution (`sonata.kernels.causal_conv_silu`) and the gated norm
+(`sonata.kernels.rms_norm_gated`) are fused numba kernels, each beside its reference.
+
 One decay per head per token, where Mamba-1 has d_inner x N of them: the chunked SSD is
 matrix multiplies (the CPU's bf16 units run them). Initialisation is mamba_ssm's: A_log =
 log U(1, 16) per head, dt log-uniform in [dt_min, dt_max] with its floor through dt_bias,
@@ -26,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sonata.core.config import ModelConfig
-from sonata.kernels.reference import conv_silu_ref
+from sonata.kernels import causal_conv_silu
 from sonata.kernels.ssd import ssd, ssd_step
 from sonata.model.block import PreNormBlock, dt_bias_init
 from sonata.model.norm import GatedRMSNorm
@@ -47,7 +50,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(dt_bias_init(cfg, h))
         self.A_log = nn.Parameter(torch.log(torch.empty(h).uniform_(1, 16)))
         self.D = nn.Parameter(torch.ones(h))
-        self.norm = GatedRMSNorm(di, di // g, eps=cfg.norm_eps)
+        self.norm = GatedRMSNorm(di, di // g, eps=cfg.norm_eps, backend=cfg.backend)
         self.out_proj = QLinear(di, d, bias=False)
 
     @property
@@ -83,8 +86,9 @@ class Mamba2Mixer(nn.Module):
         the SSD state (b, nheads, headdim, N), float32)."""
         if state is not None or return_state:
             return self._forward_with_state(u, state)
+        c = self.cfg
         z, xBC, dt = self._split(self.in_proj(u))
-        xBC = conv_silu_ref(xBC, self.conv1d.weight, self.conv1d.bias)  # (b, L, conv_dim)
+        xBC = causal_conv_silu(xBC, self.conv1d.weight, self.conv1d.bias, c.backend)  # (b, L, conv_dim)
         y, _ = self._ssd(xBC, dt)
         return self.out_proj(self.norm(y, z))
 

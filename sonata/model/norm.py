@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from sonata.kernels import rms_norm
-from sonata.kernels.reference import rms_norm_gated_ref
+from sonata.kernels import rms_norm, rms_norm_gated
 
 
 class RMSNorm(nn.Module):
@@ -25,12 +24,15 @@ class RMSNorm(nn.Module):
 class GatedRMSNorm(nn.Module):
     """Mamba-2's output norm: norm(y * silu(z)) over groups of `group_size` channels (the
     block's ngroups groups of d_inner / ngroups), times weight; transformers' MambaRMSNormGated
-    and mamba_ssm's RMSNormGated(norm_before_gate=False) (`rms_norm_gated_ref`)."""
+    and mamba_ssm's RMSNormGated(norm_before_gate=False) (`rms_norm_gated_ref`); fused on the
+    `cpu` backend (sonata.kernels.rms_norm_gated)."""
 
-    def __init__(self, d: int, group_size: int, eps: float = 1e-5):
+    def __init__(self, d: int, group_size: int, eps: float = 1e-5, backend: str = "reference"):
         super().__init__()
         self.eps, self.group_size = eps, group_size
+        self.backend = backend
         self.weight = nn.Parameter(torch.ones(d))
 
     def forward(self, y, z=None):
-        return rms_norm_gated_ref(y, self.weight, z, self.eps, self.group_size, norm_before_gate=False)
+        return rms_norm_gated(y, self.weight, z, self.eps, self.group_size, norm_before_gate=False,
+                              backend=self.backend)

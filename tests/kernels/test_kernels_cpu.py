@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from sonata.kernels import cpu, cpu_simd  # noqa: E402   numba is a dependency: a broken one fails here, not skips
-from sonata.kernels import (conv_silu, cross_entropy, cross_entropy_ref, fallback_count, rms_norm,  # noqa: E402
+from sonata.kernels import (causal_conv_silu, conv_silu, conv_silu_ref, cross_entropy,  # noqa: E402
+                            cross_entropy_ref, fallback_count, rms_norm, rms_norm_gated, rms_norm_gated_ref,
                             selective_scan, selective_scan_ref)
 
 GRAD_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
@@ -586,6 +587,114 @@ def test_rms_norm_matches_reference(nan_empty, shape):
     for label, got, ref in zip(("out", "dx", "dweight"), results["cpu"], results["reference"]):
         assert got.dtype == torch.float32 and got.shape == ref.shape, label
         check_close(label, got, ref, seed, 1e-4, 2e-4, 2e-5)
+
+
+# ----------------------------------------------------------------------------- Mamba-2: conv over x, B, C
+
+def causal_conv_run(x, w, b, dout, backend, dtype):
+    """-> (u, dx, dweight, dbias or None) of causal_conv_silu (cpu) or conv_silu_ref (reference)."""
+    x_, w_ = x.detach().to(dtype).requires_grad_(), w.detach().to(dtype).requires_grad_()
+    b_ = None if b is None else b.detach().to(dtype).requires_grad_()
+    u = causal_conv_silu(x_, w_, b_, backend=backend) if backend == "cpu" else conv_silu_ref(x_, w_, b_)
+    leaves_ = [x_, w_] + ([] if b is None else [b_])
+    grads = torch.autograd.grad((u.double() * dout).sum(), leaves_)
+    return (u, *grads) + (() if b is not None else (None,))
+
+
+@pytest.mark.parametrize("shape", [(3, 70, 40, 24, 4, True), (2, 2, 33, 5, 4, True), (1, 1, 5, 1, 3, False),
+                                   (2, 9, 50, 7, 6, True)],
+                         ids=["K4", "L<K", "L1-no-bias", "K6"])
+def test_causal_conv_silu_matches_reference(nan_empty, shape):
+    """Mamba-2's convolution (the fused conv of conv_silu without the gate, over a slice of a
+    wider projection as the block passes xBC: no equal-width gate beside it) against the
+    float64 reference: u and the gradients of the input slice, weight and bias; channel counts
+    not a multiple of the lane width; float64 kernels to rounding."""
+    seed = new_seed()
+    batch, L, dim, extra, K, bias = shape
+    g = torch.Generator().manual_seed(seed)
+    proj = torch.randn(batch, L, extra + dim + 3, generator=g, dtype=torch.float64)
+    x = proj[..., extra:extra + dim]                                   # a strided slice, as xBC is
+    w = torch.randn(dim, 1, K, generator=g, dtype=torch.float64) * 0.7
+    b = torch.randn(dim, generator=g, dtype=torch.float64) if bias else None
+    dout = torch.randn(batch, L, dim, generator=g, dtype=torch.float64)
+    got = causal_conv_run(x, w, b, dout, "cpu", torch.float32)
+    ref = causal_conv_run(x, w, b, dout, "reference", torch.float64)
+    assert got[0].is_contiguous(), f"seed={seed}"
+    for label, g_, r_ in zip(("u", "dx", "dweight", "dbias"), got, ref):
+        if r_ is None:
+            assert g_ is None, label
+            continue
+        assert g_.dtype == torch.float32, label
+        check_close(label, g_, r_, seed, 1e-4, 2e-5, 2e-5)
+    exact = causal_conv_run(x, w, b, dout, "cpu", torch.float64)
+    for label, g_, r_ in zip(("u", "dx", "dweight", "dbias"), exact, ref):
+        if r_ is not None:
+            check_close(label + " (float64)", g_, r_, seed, 1e-12, 1e-12, 1e-12)
+
+
+def test_causal_conv_silu_gradcheck_and_mamba1_path_unchanged():
+    """Finite differences through the float64 kernel; and conv_silu (Mamba-1's gate-moving
+    form of the same kernels) still equals its reference."""
+    seed = new_seed()
+    g = torch.Generator().manual_seed(seed)
+    inputs = tuple(t.requires_grad_() for t in (torch.randn(2, 6, 5, generator=g, dtype=torch.float64),
+                                                torch.randn(5, 1, 4, generator=g, dtype=torch.float64),
+                                                torch.randn(5, generator=g, dtype=torch.float64)))
+    assert torch.autograd.gradcheck(lambda x, w_, b_: causal_conv_silu(x, w_, b_, backend="cpu"), inputs,
+                                    eps=1e-6, atol=1e-6, rtol=1e-5), f"seed={seed}"
+    xz, w, b, dout = conv_inputs(seed, 2, 20, 17, 4, True)
+    for label, g_, r_ in zip(CONV_NAMES, conv_run(xz, w, b, dout, "cpu", torch.float64),
+                             conv_run(xz, w, b, dout, "reference", torch.float64)):
+        check_close(label, g_, r_, seed, 1e-12, 1e-12, 1e-12)
+
+
+# ----------------------------------------------------------------------------- Mamba-2: gated RMSNorm
+
+@pytest.mark.parametrize("before", [False, True], ids=["gate-first", "norm-first"])
+@pytest.mark.parametrize("case", [(3, 70, 96, 96, True), (2, 33, 48, 16, True), (1, 1, 7, 7, True),
+                                  (4, 9, 24, 8, False)],
+                         ids=["one-group", "3-groups", "L1-d7", "no-z"])
+def test_rms_norm_gated_matches_reference(nan_empty, case, before):
+    """The fused gated, grouped RMSNorm against the float64 reference (rms_norm_gated_ref):
+    output and the gradients of x, weight and z, for both orders of norm and gate, groups of
+    the last dimension, no gate; z read in place from a wider projection (strided rows)."""
+    seed = new_seed()
+    rows, L, d, gs, has_z = case
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, L, d, generator=g, dtype=torch.float64) * 3
+    proj = torch.randn(rows, L, d + 11, generator=g, dtype=torch.float64) * 2
+    w = torch.randn(d, generator=g, dtype=torch.float64)
+    dout = torch.randn(rows, L, d, generator=g, dtype=torch.float64)
+    results = {}
+    for name, dtype in (("cpu", torch.float32), ("cpu64", torch.float64), ("reference", torch.float64)):
+        x_, w_ = (t.detach().to(dtype).requires_grad_() for t in (x, w))
+        p_ = proj.detach().to(dtype).requires_grad_()
+        z_ = p_[..., 5:5 + d] if has_z else None
+        backend = "reference" if name == "reference" else "cpu"
+        out = rms_norm_gated(x_, w_, z_, 1e-5, gs, before, backend=backend)
+        leaves = [x_, w_] + ([p_] if has_z else [])
+        results[name] = (out, *torch.autograd.grad((out.double() * dout).sum(), leaves))
+    labels = ("out", "dx", "dweight", "dz")
+    for label, got, ref in zip(labels, results["cpu"], results["reference"]):
+        assert got.dtype == torch.float32 and got.shape == ref.shape, label
+        check_close(label, got, ref, seed, 1e-4, 2e-4, 2e-5)
+    for label, got, ref in zip(labels, results["cpu64"], results["reference"]):
+        check_close(label + " (float64)", got, ref, seed, 1e-12, 1e-12, 1e-12)
+
+
+def test_rms_norm_gated_bf16_and_bad_group():
+    """bfloat16 in, bfloat16 out (float32 arithmetic, as the reference), equal to the reference
+    within bfloat16 rounding; a group size that does not divide the channels is refused."""
+    seed = new_seed()
+    g = torch.Generator().manual_seed(seed)
+    x, z = (torch.randn(2, 5, 32, generator=g).bfloat16() for _ in range(2))
+    w = torch.randn(32, generator=g)
+    got = rms_norm_gated(x, w, z, 1e-5, 16, False, backend="cpu")
+    ref = rms_norm_gated_ref(x, w, z, 1e-5, 16, False)
+    assert got.dtype == torch.bfloat16
+    check_close("bf16 out", got, ref, seed, 2e-2, 2e-2, 1e-2)
+    with pytest.raises(ValueError):
+        rms_norm_gated(x, w, z, 1e-5, 5, False, backend="cpu")
 
 
 # ----------------------------------------------------------------------------- cross-entropy

@@ -46,10 +46,12 @@ with G strictly lower in the pair sums (the diagonal's terms cancel exactly, so 
 left out rather than left to cancel in float32). With explicit decays the pairs are summed
 directly from the per-head (Q, Q) products instead (exact where strong decays leave dA tiny).
 Then dA = sum da dt, ddt = da A + x . dX, dx = dt dX + D dY, and the gate, D, dt_bias,
-softplus and the clamp by the chain rule. The forward saves the inputs and the block-start
-states (b, g, nc, n, heads_per_group, p); the backward recomputes G, y and the rest. The
-elementwise passes around the matrix multiplies (output, gate, the dot products, dx) are
-one fused numba pass each (`cpu_fused.py`; torch ops when numba is missing, and in float64).
+softplus and the clamp by the chain rule. The forward saves the inputs, the block-start
+states (b, g, nc, n, heads_per_group, p) and their reads C S0 (x-sized: one of the eleven
+large products the backward would otherwise redo); the backward recomputes G, y and the
+rest. The elementwise passes around the matrix multiplies (output, gate, the dot products,
+dx) are one fused numba pass each (`cpu_fused.py`; torch ops when numba is missing, and in
+float64).
 
 Precision. float32 arithmetic (float64 for float64 inputs: gradcheck runs). Under
 torch.autocast("cpu", bfloat16) or with bfloat16 inputs the matrix multiplies take bfloat16
@@ -320,7 +322,8 @@ class _Setup:
 def ssd_forward(x, dt, A, B, C, D, z, dt_bias, init, seq_idx, softplus, limit, chunk,
                 mm_dtype, block=None):
     """(out (b, l, h, p) in x's dtype, final state (b, h, p, n), the block-start states S0
-    (b, g, nc, n, hg, p) for the backward, the plan)."""
+    (b, g, nc, n, hg, p) and their reads C S0 (b, g, nc, Q, hg, p) for the backward, the
+    plan)."""
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
     su = _Setup(x, dt, A, B, C, D, dt_bias, seq_idx, softplus, limit, chunk, block, ct)
     blk, dec = su.blk, su.dec
@@ -328,8 +331,9 @@ def ssd_forward(x, dt, A, B, C, D, z, dt_bias, init, seq_idx, softplus, limit, c
     st = _mm(su.Bb.transpose(1, 2), su.Xt().view(blk.nb, blk.Q, blk.K), mm_dtype)   # (nb, n, K)
     st = st.view(blk.b, blk.g, blk.nc, blk.n, blk.hg, blk.p)
     S0, final = pass_states(st, dec.cd, None if init is None else _state_layout(init.to(ct), blk))
-    y = cpu_fused.output(su, su.from_states(S0, mm_dtype), su.intra(G, mm_dtype), z)
-    return blk.take(y).to(x.dtype), _state_out(final, blk), S0, su.plan
+    raw_o = su.from_states(S0, mm_dtype)
+    y = cpu_fused.output(su, raw_o, su.intra(G, mm_dtype), z)
+    return blk.take(y).to(x.dtype), _state_out(final, blk), S0, raw_o, su.plan
 
 
 def _revcum(t, dim):
@@ -342,9 +346,10 @@ def _per_head(t, blk):
     return t.reshape(blk.h, *t.shape[2:])
 
 
-def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, init, seq_idx, S0, softplus,
+def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, init, seq_idx, S0, raw_o, softplus,
                  limit, chunk, mm_dtype, fixed):
-    """Gradients (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit), each None when its input is."""
+    """Gradients (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit), each None when its input is.
+    raw_o: the forward's C S0 (the same product, so the same bits), or None to recompute it."""
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
     f64 = torch.float64
     su = _Setup(x, dt, A, B, C, D, dt_bias, seq_idx, softplus, limit, chunk, None, ct, fixed)
@@ -355,7 +360,8 @@ def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, init, seq_idx, S0,
     G = su.gram(mm_dtype)
     Gd = G.diagonal(dim1=1, dim2=2).clone().view(blk.b, blk.g, blk.nc, Q, 1)
     G.diagonal(dim1=1, dim2=2).zero_()
-    raw_o = su.from_states(S0, mm_dtype)                                  # C S0
+    if raw_o is None:
+        raw_o = su.from_states(S0, mm_dtype)                              # C S0
     # raw_y and raw_s feed the log-decay gradient as a difference: both stay in ct, so a pair's
     # two roundings match (bfloat16 operands there cost ~10x in dA)
     raw_y = su.intra(G, ct)                                               # G (f o X), strict
@@ -417,16 +423,17 @@ def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, init, seq_idx, S0,
 class SSDFunction(torch.autograd.Function):
     """out, final = SSDFunction.apply(x, dt, A, B, C, D, z, dt_bias, init, seq_idx, opts) with
     opts = (chunk, softplus, limit, mm_dtype, block). Saves the inputs, the block-start states
-    and the final state; the backward recomputes the rest (ssd_backward)."""
+    and their reads C S0 (one x-sized tensor: the product the backward would redo first); the
+    backward recomputes the rest (ssd_backward)."""
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, z, dt_bias, init, seq_idx, opts):
         chunk, softplus, limit, mm_dtype, block = opts
         with torch.autocast("cpu", enabled=False):
-            out, final, S0, fixed = ssd_forward(x, dt, A, B, C, D, z, dt_bias, init, seq_idx,
-                                                softplus, limit, chunk, mm_dtype, block)
+            out, final, S0, raw_o, fixed = ssd_forward(x, dt, A, B, C, D, z, dt_bias, init, seq_idx,
+                                                       softplus, limit, chunk, mm_dtype, block)
         ctx.opts, ctx.fixed = opts, fixed
-        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, init, seq_idx, S0)
+        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, init, seq_idx, S0, raw_o)
         return out, final
 
     @staticmethod

@@ -190,7 +190,7 @@ def output(su, raw_o, raw_y, z):
         sz = None if zb is None else torch.sigmoid(zb)
         return _nb_output(r(raw_o), r(raw_y), r(dec.fs), r(dec.e), r(su.xb), D3, r(sz), r(zb),
                               blk.nc * blk.Q).view(raw_o.shape)
-    y = raw_o.mul_(_v(dec.fs)).addcmul_(raw_y, _v(dec.e))
+    y = (raw_o * _v(dec.fs)).addcmul_(raw_y, _v(dec.e))      # not in place: the backward reads raw_o
     if su.Dv is not None:
         y.addcmul_(su.xb, su.Dv)
     return y if zb is None else y.mul_(F.silu(zb))
