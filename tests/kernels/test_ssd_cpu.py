@@ -327,3 +327,26 @@ def test_the_step_checks_its_shapes():
     with pytest.raises(ValueError, match="dt must be"):
         ssd_step(s, torch.zeros(1, 4, 8), torch.zeros(1, 8), torch.zeros(4), torch.zeros(1, 2, 16),
                  torch.zeros(1, 2, 16))
+
+
+def test_the_fused_step_runs_under_no_grad_for_parameters(monkeypatch):
+    """Decoding reads parameters (and views of them: transformers' D[:, None].expand) that ask
+    for gradients; under no_grad the fused step must still run (before, the torch step did)."""
+    calls = []
+    kernel = step_mod._step_kernel
+    if kernel is None:
+        pytest.skip("numba not installed")
+    monkeypatch.setattr(step_mod, "_step_kernel", lambda *a: (calls.append(1), kernel(*a))[1])
+    b, h, p, n = 2, 4, 8, 16
+    g = torch.Generator().manual_seed(0)
+    A = torch.nn.Parameter(-torch.rand(h, generator=g) - 0.5)
+    D = torch.nn.Parameter(torch.ones(h))
+    x, dt = torch.randn(b, h, p, generator=g), torch.randn(b, h, generator=g)
+    B, C = torch.randn(b, 1, n, generator=g), torch.randn(b, 1, n, generator=g)
+    state, ref_state = torch.zeros(b, h, p, n), torch.zeros(b, h, p, n)
+    with torch.no_grad():
+        y = ssd_step(state, x, dt, A, B, C, D=D[:, None].expand(h, p), dt_softplus=True)
+        want = ssd_step_ref(ref_state, x, dt, A, B, C, D=D, dt_softplus=True)
+    assert calls == [1] and _rel(y, want) < 1e-6 and _rel(state, ref_state) < 1e-6
+    y = ssd_step(torch.zeros(b, h, p, n), x, dt, A, B, C, D=D, dt_softplus=True)   # grad mode: the reference
+    assert calls == [1] and y.requires_grad

@@ -121,6 +121,7 @@ except ImportError:         # no numba: the torch step everywhere
 
 def _f32(t):
     """A float32 C-contiguous numpy view (a copy only when t is not one already)."""
+    t = t.detach()
     if t.dtype != torch.float32 or not t.is_contiguous():
         t = t.to(torch.float32).contiguous()
     return t.numpy()
@@ -132,7 +133,8 @@ def ssd_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=Fa
     check_step(state, x, dt, A, B, C, D, z, dt_bias)
     tensors = (state, x, dt, A, B, C, D, z, dt_bias)
     fused = (_step_kernel is not None and state.device.type == "cpu" and state.dtype == torch.float32
-             and state.is_contiguous() and not any(t is not None and t.requires_grad for t in tensors))
+             and state.is_contiguous()
+             and (not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors)))
     if not fused:
         return ssd_step_ref(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
