@@ -88,19 +88,7 @@ def hf_config(model: MambaLM, eot_id: int = Vocab.EOT_ID) -> dict:
         "vocab_size": c.vocab_size,
         "layer_norm_epsilon": c.norm_eps,
         "tie_word_embeddings": True,
-        # explicit: their defaults have changed across transformers versions
-        "use_bias": False,
-        "use_conv_bias": True,
-        "hidden_act": "silu",
-        "residual_in_fp32": True,
-        "time_step_min": c.dt_min,
-        "time_step_max": c.dt_max,
-        "time_step_floor": c.dt_init_floor,
-        "bos_token_id": eot_id,
-        "eos_token_id": eot_id,
-        "pad_token_id": eot_id,
-        "use_cache": True,
-        "dtype": "float32",
+        **_hf_common(c, eot_id),           # explicit: their defaults have changed across versions
     }
 
 
@@ -124,11 +112,18 @@ def _hf_config_mamba2(c: ModelConfig, eot_id: int) -> dict:
         "vocab_size": c.vocab_size,
         "layer_norm_epsilon": c.norm_eps,
         "tie_word_embeddings": True,                     # Mamba2Config's default is False
+        "rescale_prenorm_residual": False,
+        **_hf_common(c, eot_id),
+    }
+
+
+def _hf_common(c: ModelConfig, eot_id: int) -> dict:
+    """The fields MambaConfig and Mamba2Config share."""
+    return {
         "use_bias": False,
         "use_conv_bias": True,
         "hidden_act": "silu",
         "residual_in_fp32": True,
-        "rescale_prenorm_residual": False,
         "time_step_min": c.dt_min,
         "time_step_max": c.dt_max,
         "time_step_floor": c.dt_init_floor,

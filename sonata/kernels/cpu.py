@@ -273,14 +273,7 @@ def conv_silu_backward(du, dz, xz, weight, bias):
                                _np(weight.reshape(dim, K), ct), _optional(bias, ct, (dim,)), n_workers,
                                True, dxz[..., :dim].numpy(), dxz[..., dim:].numpy(),
                                dw_part.numpy().reshape(batch, dim, K), db_part.numpy())
-    dw = torch.empty(dim * K, dtype=ct)
-    _sum_batch(dw_part.numpy(), dw.numpy())
-    db = None
-    if bias is not None:
-        db = torch.empty(dim, dtype=ct)
-        _sum_batch(db_part.numpy(), db.numpy())
-        db = _as(db, bias.dtype)
-    return _as(dxz, xz.dtype), _as(dw.reshape(weight.shape), weight.dtype), db
+    return (_as(dxz, xz.dtype), *_conv_param_grads(dw_part, db_part, weight, bias, ct))
 
 
 def causal_conv_silu_forward(x, weight, bias):
@@ -313,6 +306,12 @@ def causal_conv_silu_backward(dout, x, weight, bias):
                                _np(x, ct), _np(weight.reshape(dim, K), ct), _optional(bias, ct, (dim,)),
                                n_workers, False, dxa, dxa, dw_part.numpy().reshape(batch, dim, K),
                                db_part.numpy())
+    return (_as(dx, x.dtype), *_conv_param_grads(dw_part, db_part, weight, bias, ct))
+
+
+def _conv_param_grads(dw_part, db_part, weight, bias, ct):
+    """The conv's weight and bias gradients from the kernels' per-sequence parts (summed here)."""
+    dim, K = weight.shape[0], weight.shape[-1]
     dw = torch.empty(dim * K, dtype=ct)
     _sum_batch(dw_part.numpy(), dw.numpy())
     db = None
@@ -320,7 +319,7 @@ def causal_conv_silu_backward(dout, x, weight, bias):
         db = torch.empty(dim, dtype=ct)
         _sum_batch(db_part.numpy(), db.numpy())
         db = _as(db, bias.dtype)
-    return _as(dx, x.dtype), _as(dw.reshape(weight.shape), weight.dtype), db
+    return _as(dw.reshape(weight.shape), weight.dtype), db
 
 
 def rms_norm_gated_forward(x, weight, z, eps, group_size, norm_before_gate):
