@@ -21,13 +21,13 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import hardware_line, print_table  # noqa: E402
 
-from sonata.lab.race import RACE, race_conclusion, speedrun, speedrun_source  # noqa: E402
+from sonata.lab.race import RACE, RACE_MAMBA2, race_conclusion, speedrun, speedrun_source  # noqa: E402
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget-s", type=float, default=600.0, help="training seconds per configuration")
-    ap.add_argument("--configs", nargs="+", default=list(RACE), choices=list(RACE))
+    ap.add_argument("--configs", nargs="+", default=list(RACE), choices=list(RACE) + list(RACE_MAMBA2))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--curve-points", type=int, default=4)
     ap.add_argument("--out-dir", default=None, help="keep each run's folder (checkpoint.pt, metrics.jsonl) here")
@@ -38,7 +38,7 @@ def main(argv=None):
     source, note = speedrun_source("tinystories")
     print(hardware_line("cpu"))
     result = speedrun(args.configs, args.budget_s, source, curve_points=args.curve_points, seed=args.seed,
-                      out_dir=args.out_dir, progress="none", configs=RACE)
+                      out_dir=args.out_dir, progress="none", configs={**RACE, **RACE_MAMBA2})
     print_table(list(result.rows[0]), [list(r.values()) for r in result.rows],
                 title=f"the race: {args.budget_s:g} s of training per configuration")
     print(note)
