@@ -1,23 +1,31 @@
-"""sonata.interop.mamba_ssm and sonata.interop.hf.accelerate, side by side with what a CPU user has without them.
+"""sonata.interop.mamba_ssm and sonata.interop.hf_accelerate, side by side with what a CPU user has without them.
 
-    python benchmarks/ops.py [--threads 2] [--repeat 3] [--quick]
+    python benchmarks/ops.py [--threads 2] [--repeat 2] [--ops-big] [--no-ops] [--sizes seed,m2-130m]
+        [--lengths 512,2048] [--families Mamba,Mamba2,Bamba] [--layers 2]  (see --help)
 
 Table 1, the ops (forward + backward unless marked), at one layer of the seed model
-(batch 8, d_inner 192, d_state 16, length 128) and at mamba-130m's width (batch 1,
-d_inner 1536, length 512):
+(batch 8, d_inner 192, d_state 16, length 128) and, with --ops-big, at mamba-130m's width
+(batch 1, d_inner 1536, length 512):
   sonata.interop.mamba_ssm         the op as a program written against mamba_ssm calls it
   mamba_ssm ref      the same call on the reference semantics (`sonata.interop.mamba_ssm.*_ref`: the
                      sequential loop of mamba_ssm's selective_scan_ref, written here)
   mambapy            mambapy's parallel scan (pscan) where it applies (per-batch B and C)
 Each row gives the largest difference of sonata's output from the reference's.
 
-Table 2, transformers' MambaForCausalLM with and without `sonata.interop.hf.accelerate` (the same
-weights, loaded twice): a training step (forward, backward, Adam) in tokens/s, and greedy
-generation (batch 1, 16-token prompt, 128 new tokens) in new tokens/s, at the seed size
-(d_model 96, 2 layers, vocabulary 512) and at d_model 768 with 4 layers (mamba-130m's width)
-with the seed's vocabulary and with mamba-130m's 50,280 (whose head, the same work with or
-without sonata, then costs more than the 4 layers). Also: the largest logit difference, and
-whether the greedy ids are equal.
+Table 2, transformers' model families with and without sonata, in two worker processes fed
+the same jobs in turn (which goes first alternates): "transformers" is transformers' own CPU
+path; "with sonata" calls `sonata.interop.mamba_ssm.install()` before importing transformers
+(every family's mamba_ssm / causal_conv1d ops resolve to sonata's) and `accelerate()`s the
+models it applies to (Mamba, Mamba2: fused mixers, sonata's decoding loop with transformers'
+logits processors). Per family (Mamba, Mamba2, Bamba; GraniteMoeHybrid with --families) and
+size (seed: 96 wide, batch 8 x 128; m2-130m: 768 wide, Mamba-2 24 heads of 64, N 128, batch
+1 x L for L in --lengths, Mamba-1 at --mamba1-lengths): a training step (forward, backward,
+Adam) and a prompt pass (forward with a cache, no grad) in tokens/s, generation (batch 1,
+16-token prompt; greedy, top-p 0.9 at temperature 0.8, repetition penalty 1.2) in new
+tokens/s, the peak resident memory of each process during the job (VmHWM after resetting
+it through /proc/self/clear_refs; in brackets, how far it rose above the process's resident
+set at the job's start), and whether the greedy ids are equal. Same weights (saved once,
+loaded by both), --layers layers (hybrids: the last one attention), vocabulary --vocab.
 
 Medians of --repeat timed runs after a warm-up; all rows in one run on one machine.
 """
@@ -25,8 +33,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -118,78 +128,179 @@ def _has_mambapy():
         return False
 
 
-# --------------------------------------------------------------------------- transformers
+# --------------------------------------------------------------------------- transformers' families
 
-def _hf_pair(d_model, n_layers, vocab, seed=0):
+def _family_config(family, size, layers, vocab):
+    """(config class, model class, kwargs): seed (96 wide; Mamba-2 heads 6 x 32, N 16, chunk 64) or
+    m2-130m (768 wide; Mamba-2 heads 24 x 64, N 128, chunk 256; Mamba-1 N 16), `layers` layers
+    (the hybrid: the last one attention), tied heads, no special tokens (every run its full length)."""
+    big = size == "m2-130m"
+    d = 768 if big else 96
+    heads, hd, n, chunk = (24, 64, 128, 256) if big else (6, 32, 16, 64)
+    base = dict(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, tie_word_embeddings=True,
+                eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    if family == "Mamba":
+        return "MambaConfig", "MambaForCausalLM", dict(base, state_size=16, expand=2)
+    if family == "Mamba2":
+        return "Mamba2Config", "Mamba2ForCausalLM", dict(base, num_heads=heads, head_dim=hd, state_size=n, n_groups=1,
+                                                          expand=2, chunk_size=chunk)
+    ssm = dict(mamba_n_heads=heads, mamba_d_head=hd, mamba_d_state=n, mamba_n_groups=1, mamba_expand=2,
+               mamba_chunk_size=chunk)
+    attn = dict(num_attention_heads=12 if big else 4, num_key_value_heads=4 if big else 2, intermediate_size=2 * d)
+    if family == "Bamba":
+        return "BambaConfig", "BambaForCausalLM", dict(base, attn_layer_indices=[layers - 1], **attn, **ssm)
+    if family == "GraniteMoeHybrid":       # Granite 4.0-H's layout: Mamba-2 layers, an attention layer, MoE MLPs
+        return "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+            base, layer_types=["mamba"] * (layers - 1) + ["attention"], num_local_experts=4, num_experts_per_tok=2,
+            shared_intermediate_size=2 * d, **attn, **ssm)
+    raise SystemExit(f"unknown family {family!r} (Mamba, Mamba2, Bamba, GraniteMoeHybrid)")
+
+
+GEN = {"greedy": dict(do_sample=False), "top-p 0.9, T 0.8": dict(do_sample=True, top_p=0.9, temperature=0.8),
+       "rep. penalty 1.2": dict(do_sample=False, repetition_penalty=1.2)}
+
+
+def _rss_mb(field):
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith(field)) / 1024
+
+
+def _worker(conn, use_sonata, threads):
+    """One process, with or without sonata: the shim installed before transformers is imported
+    (so every family's Mamba-2 / Mamba-1 ops resolve to sonata's), and `accelerate` on the models
+    it applies to (Mamba, Mamba2). Runs the jobs sent to it, one at a time."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    torch.set_num_threads(threads)
+    if use_sonata:
+        ops.install()
     import transformers
-    from sonata.interop.hf_accelerate import accelerate
-    torch.manual_seed(seed)
-    conf = transformers.MambaConfig(vocab_size=vocab, hidden_size=d_model, num_hidden_layers=n_layers,
-                                    state_size=16, expand=2, conv_kernel=4, eos_token_id=None,
-                                    pad_token_id=None, bos_token_id=None)
-    tmp = tempfile.mkdtemp(prefix="sonata_ops_bench_")
-    transformers.MambaForCausalLM(conf).save_pretrained(tmp)
-    load = lambda: transformers.MambaForCausalLM.from_pretrained(tmp)  # noqa: E731
-    return load(), accelerate(load())
-
-
-def hf_rows(repeat, quick):
-    shapes = [("seed (96 x 2, vocab 512)", 96, 2, 512, 8, 128),
-              ("768 x 4, vocab 512", 768, 4, 512, 2, 128),
-              ("768 x 4, vocab 50,280", 768, 4, 50280, 2, 128)]
-    rows, ratios = [], []
-    for name, d, nl, vocab, batch, L in shapes[:1] if quick else shapes:
-        plain, fast = _hf_pair(d, nl, vocab)
-        g = torch.Generator().manual_seed(1)
-        idx = torch.randint(0, vocab, (batch, L), generator=g)
-        with torch.no_grad():
-            dlogit = (plain.eval()(idx[:2], use_cache=False).logits
-                      - fast.eval()(idx[:2], use_cache=False).logits).abs().max().item()
-        train = {}
-        for which, m in (("plain", plain), ("accelerated", fast)):
-            m.train()
-            opt = torch.optim.Adam(m.parameters(), lr=1e-4)
-
-            def step():
-                loss = m(idx, labels=idx).loss
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-            train[which] = batch * L / median_time(step, warmup=1, repeat=repeat)
-            m.eval()
-        new, prompt = (128 if not quick else 32), torch.randint(0, vocab, (1, 16), generator=g)
-        gen, ids = {}, {}
-        for which, m in (("plain", plain), ("accelerated", fast)):
+    held = {}
+    while (job := conn.recv()) is not None:
+        folder, cls, task, shape = job
+        if folder not in held:
+            held.clear()
+            model = getattr(transformers, cls).from_pretrained(folder)
+            if use_sonata:
+                from sonata.core.errors import SonataError
+                from sonata.interop.hf_accelerate import accelerate
+                try:
+                    accelerate(model)
+                except SonataError:            # a hybrid: the shim's ops alone
+                    pass
+            held[folder] = (model, torch.optim.Adam(model.parameters(), lr=1e-5))
+        model, opt = held[folder]
+        with open("/proc/self/clear_refs", "w") as f:    # the peak resident set, from here
+            f.write("5")
+        before = _rss_mb("VmRSS")
+        ids = torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(1))
+        t0 = time.perf_counter()
+        out = None
+        if task == "train":
+            model.train()
+            loss = model(ids, labels=ids, use_cache=False).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        elif task == "prompt":
+            model.eval()
             with torch.no_grad():
-                ids[which] = m.generate(prompt, max_new_tokens=new, do_sample=False)
-                gen[which] = new / median_time(lambda: m.generate(prompt, max_new_tokens=new, do_sample=False),
-                                               warmup=0, repeat=repeat)
-        same = "yes" if torch.equal(ids["plain"], ids["accelerated"]) else "NO"
-        for which in ("plain", "accelerated"):
-            rows.append([name, which, f"{train[which]:,.0f}", f"{gen[which]:,.0f}"])
-        ratios.append([name, f"{train['accelerated'] / train['plain']:.1f}x",
-                       f"{gen['accelerated'] / gen['plain']:.1f}x", f"{dlogit:.1e}", same])
-    return rows, ratios
+                model(ids, use_cache=True)
+        else:
+            model.eval()
+            torch.manual_seed(0)
+            new = task.split(":")[2]
+            out = model.generate(ids, max_new_tokens=int(new), **GEN[task.split(":")[1]])
+        conn.send((time.perf_counter() - t0, _rss_mb("VmHWM"), before, out))
+
+
+def family_rows(args):
+    """Per family, size and task, the same job in the two worker processes, alternating which
+    goes first; medians of --repeat after one warm-up; the peak resident memory of each."""
+    import multiprocessing as mp
+
+    import transformers
+    ctx = mp.get_context("spawn")
+    workers = {}
+    for name, flag in (("transformers", False), ("sonata", True)):
+        a, b = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(b, flag, args.threads), daemon=True)
+        proc.start()
+        workers[name] = (a, proc)
+    tmp = tempfile.mkdtemp(prefix="sonata_ops_bench_")
+    rows = []
+    try:
+        for size in args.sizes.split(","):
+            for family in args.families.split(","):
+                cfg_cls, cls, kw = _family_config(family, size, args.layers, args.vocab)
+                folder = f"{tmp}/{family}-{size}"
+                torch.manual_seed(0)
+                getattr(transformers, cls)(getattr(transformers, cfg_cls)(**kw)).save_pretrained(folder)
+                big = size == "m2-130m"
+                spec = args.mamba1_lengths if family == "Mamba" else args.lengths
+                lengths = [int(v) for v in spec.split(",")] if big else [128]
+                batch = 1 if big else 8
+                jobs = [("train tok/s", "train", (batch, L), L) for L in lengths]
+                jobs += [("prompt tok/s", "prompt", (batch, L), L) for L in lengths]
+                new = args.new_big if big else args.new_seed
+                jobs += [(f"gen {g} tok/s", f"gen:{g}:{new}", (1, 16), 16) for g in GEN]
+                for label, task, shape, L in jobs:
+                    res = {w: [] for w in workers}
+                    for r in range(1 + args.repeat):
+                        for w in (("transformers", "sonata") if r % 2 == 0 else ("sonata", "transformers")):
+                            workers[w][0].send((folder, cls, task, shape))
+                            res[w].append(workers[w][0].recv())
+                    n_tok = new * shape[0] if task.startswith("gen") else shape[0] * shape[1]
+                    rate = {w: n_tok / statistics.median(t for t, *_ in v[1:]) for w, v in res.items()}
+                    peak = {w: max(p for _, p, _, _ in v) for w, v in res.items()}
+                    grow = {w: max(p - b for _, p, b, _ in v) for w, v in res.items()}
+                    same = ""
+                    if task.startswith("gen:greedy"):
+                        same = "yes" if torch.equal(res["sonata"][0][3], res["transformers"][0][3]) else "NO"
+                    rows.append([family, size, L if not task.startswith("gen") else f"16+{new}", label,
+                                 f"{rate['transformers']:,.0f}", f"{rate['sonata']:,.0f}",
+                                 f"{rate['sonata'] / rate['transformers']:.1f}x",
+                                 f"{peak['transformers']:,.0f} (+{grow['transformers']:,.0f})",
+                                 f"{peak['sonata']:,.0f} (+{grow['sonata']:,.0f})", same])
+                    print(" | ".join(str(c) for c in rows[-1]), file=sys.stderr, flush=True)
+    finally:
+        for conn, proc in workers.values():
+            conn.send(None)
+            proc.join(timeout=30)
+    return rows
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="the seed sizes only, fewer tokens (a smoke run)")
+    ap.add_argument("--repeat", type=int, default=2, help="timed runs per job after one warm-up (median)")
+    ap.add_argument("--ops-big", action="store_true", help="table 1 also at mamba-130m's layer (its reference's "
+                    "backward is a Python loop: minutes)")
+    ap.add_argument("--no-ops", action="store_true", help="skip table 1 (the ops)")
+    ap.add_argument("--families", default="Mamba,Mamba2,Bamba", help="also GraniteMoeHybrid")
+    ap.add_argument("--sizes", default="seed,m2-130m", help="seed, m2-130m or both")
+    ap.add_argument("--lengths", default="512,2048", help="sequence lengths at m2-130m (seed: 8 x 128)")
+    ap.add_argument("--mamba1-lengths", default="512", help="the same for Mamba (transformers' CPU path is a "
+                    "Python loop over the sequence: 2048 costs minutes)")
+    ap.add_argument("--layers", type=int, default=2, help="layers of every model (hybrids: the last attention)")
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--new-seed", type=int, default=128, help="new tokens per generate call at the seed size")
+    ap.add_argument("--new-big", type=int, default=32, help="new tokens per generate call at m2-130m")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
     print(hardware_line("cpu"))
     print(f"{args.threads} threads; median of {args.repeat} after a warm-up")
-    print_table(["size", "op", "sonata.interop.mamba_ssm ms", "mamba_ssm ref ms", "mambapy ms", "vs ref", "vs mambapy",
-                 "max |diff|"], op_rows(args.repeat, args.quick),
-                title="mamba_ssm's ops on CPU (forward + backward unless marked)")
-    rows, ratios = hf_rows(args.repeat, args.quick)
-    print_table(["model", "transformers", "train tok/s", "generate new tok/s"], rows,
-                title="transformers' MambaForCausalLM, with and without sonata.interop.hf.accelerate")
-    print_table(["model", "train speed-up", "generate speed-up", "max |logit diff|", "same greedy ids"], ratios,
-                title="speed-ups measured in this run")
+    if not args.no_ops:
+        print_table(["size", "op", "sonata.interop.mamba_ssm ms", "mamba_ssm ref ms", "mambapy ms", "vs ref",
+                     "vs mambapy", "max |diff|"], op_rows(args.repeat, not args.ops_big),
+                    title="mamba_ssm's ops on CPU (forward + backward unless marked)")
+    rows = family_rows(args)
+    print_table(["family", "size", "L", "measure", "transformers", "with sonata", "ratio", "peak MB transformers",
+                 "peak MB sonata", "same greedy ids"], rows,
+                title=f"transformers' families with and without sonata ({args.layers} layers, vocabulary "
+                      f"{args.vocab}; peak resident MB of each process during the job, (+ over its start))")
+    print(f"\nwhole run {time.perf_counter() - t0:.0f} s")
 
 
 if __name__ == "__main__":

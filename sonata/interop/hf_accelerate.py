@@ -1,79 +1,83 @@
-"""transformers' Mamba on sonata's CPU kernels: `accelerate(model)`.
+"""transformers' Mamba and Mamba-2 on sonata's CPU kernels: `accelerate(model)`.
 
-    from transformers import MambaForCausalLM
+    from transformers import MambaForCausalLM          # or Mamba2ForCausalLM
     from sonata.interop.hf_accelerate import accelerate
     model = accelerate(MambaForCausalLM.from_pretrained("path/to/folder"))
 
 The model keeps its weights, its modules and its API; two things change, in place:
 
 - **Each mixer's forward** (training, evaluation, the prompt pass of generation) runs
-  sonata's fused pieces instead of transformers' CPU path (a Python loop over the sequence):
-  without a cache, `sonata.interop.mamba_ssm.mamba_inner_fn` (the conv + SiLU and gate split in one numba
-  pass, the scan forming delta from dt_proj's low-rank input); with a cache (the prompt
-  pass), transformers' conv-state bookkeeping, then sonata's fused scan with its last state
-  written to the cache. Gradients flow to every parameter as before.
-- **`model.generate`** (MambaForCausalLM) runs sonata's decoder (`sonata.model.decode.Decoder`: the
-  prompt in one parallel pass, then one fused numba call per token for all layers and the
-  head) when the call is plain decoding: greedy, or sampling with temperature and top-k;
-  `max_new_tokens` / `max_length`, `eos_token_id` and `pad_token_id` with transformers'
-  meaning (a finished row is padded; all finished: stop). Per generated token transformers'
-  loop itself (its cache, logits processors, stopping criteria) costs more than the model
-  at these sizes, so accelerating the mixers alone cannot make decoding fast.
+  sonata's fused pieces instead of transformers' CPU path. `MambaMixer` without a cache:
+  `sonata.interop.mamba_ssm.mamba_inner_fn` (conv + SiLU and the gate split in one numba pass,
+  the scan forming delta from dt_proj's low-rank input); with a cache (the prompt pass),
+  transformers' conv-state bookkeeping, then sonata's fused scan with its last state written
+  to the cache. `Mamba2Mixer` without a cache: `mamba_split_conv1d_scan_combined` (conv, SSD,
+  gated RMSNorm, out_proj; `seq_idx` honoured); with one, the conv bookkeeping, then
+  `mamba_chunk_scan_combined` with its final state written to the cache. Gradients flow to
+  every parameter as before.
+- **`model.generate`** keeps transformers' preparation (generation config, special tokens,
+  lengths, its own `LogitsProcessorList` and `StoppingCriteriaList`, built from the call as
+  always) and replaces only the decoding loop (`custom_generate`, transformers' hook): the
+  prompt in one parallel pass through sonata's `MambaLM` sharing the weights, then one
+  decoder step per token (Mamba-1: one fused numba call for every layer and the head;
+  Mamba-2: the layers' steps, SSD through the fused `ssd_step`), and on the logits of each
+  step transformers' processors and warpers (temperature, top-k, top-p, min-p, typical,
+  repetition penalty, min length, bad words, no-repeat n-grams, sequence bias, custom ones),
+  the same token choice as its `_sample` (argmax, or `torch.multinomial` on the softmax, so
+  the same draws from the same global generator), its eos and pad rule, its stopping
+  criteria (max length, max time, eos, stop strings, custom ones), a streamer, and
+  `return_dict_in_generate` with `output_scores` / `output_logits` (`cache` is then None).
 
-What is kept on transformers' own path, as it was (the result is the same, at its speed):
-any generation feature beyond the above (beams, penalties, top-p < 1, min length, logits
-processors, streamers, scores, left padding, ...: `plain_generation` decides), an attention
-mask with zeros (transformers zeroes padded positions inside the mixer), a single decoding
-step called directly with a cache, a cached pass over several tokens after a previous state
-(transformers starts that scan from zeros; kept so that outputs do not change), models not
-in float32 on the CPU, and, for `generate`, models sonata's MambaLM cannot mirror (biases on
-the projections, an untied head).
-
-Greedy decoding returns transformers' ids; sampling draws from the same distribution
-(temperature, then top-k) with the same global torch generator, not the same draws.
+What stays on transformers' own path (the result is the same, at its speed; never slower than
+transformers alone, since the check is a copy of the generation config): beam search (and
+beam sampling, group beams, constraints), assisted and prompt-lookup decoding, contrastive
+search and DoLa, classifier-free guidance (`guidance_scale`, negative prompts), token
+healing, `output_attentions` / `output_hidden_states`, paged (continuous batching) caches,
+an attention mask with zeros (a padded batch, or a prompt holding the pad token:
+transformers masks those positions inside the mixer), `inputs_embeds`, models not in
+float32 on the CPU, and models sonata's MambaLM cannot mirror (biases on the projections;
+Mamba-2 with `time_step_limit` other than (0, inf), a norm before the gate). For the
+mixers: a single decoding step called with a cache, a cached pass after a previous state,
+a mask with zeros, other dtypes and devices.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import types
-from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from sonata.core.errors import SonataError
 from sonata.interop.hf import config_from_hf, sonata_state_dict
-from sonata.interop.mamba_ssm import causal_conv1d_fn, mamba_inner_fn
+from sonata.interop.mamba_ssm import (causal_conv1d_fn, mamba_chunk_scan_combined, mamba_inner_fn,
+                                      mamba_split_conv1d_scan_combined)
 from sonata.kernels import selective_scan
-from sonata.model.decode import generate
+from sonata.kernels.ssd import ssd_step
+from sonata.model.decode import ONE_THREAD_MACS, Decoder
 from sonata.model.lm import MambaLM
 
-# Generation settings the fast path honours; any other one that differs from transformers'
-# defaults sends the call to transformers' own generate.
-_PLAIN_KEYS = {"max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "use_cache",
-               "bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id",
-               "transformers_version", "_from_model_config"}
-# generate()'s own arguments besides the config: each must be unset for the fast path
-_GENERATE_ARGS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
-                  "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
-                  "custom_generate")
+MIXERS = ("MambaMixer", "Mamba2Mixer")   # transformers' classes whose forward is replaced
 
 
 def _mixers(model):
-    return [m for m in model.modules()
-            if all(hasattr(m, a) for a in ("A_log", "in_proj", "x_proj", "dt_proj", "conv1d", "out_proj", "D"))
-            and hasattr(m, "layer_idx")]
+    return [m for m in model.modules() if type(m).__name__ in MIXERS and hasattr(m, "layer_idx")]
 
 
 def accelerate(model):
-    """Run a transformers MambaForCausalLM (or MambaModel) on sonata's kernels, in place (see
-    the module docstring); returns the model. Calling it again does nothing."""
+    """Run a transformers MambaForCausalLM / Mamba2ForCausalLM (or their backbones) on sonata's
+    kernels, in place (see the module docstring); returns the model. Calling it again does nothing."""
     mixers = _mixers(model)
     if not mixers:
-        raise SonataError(f"accelerate: {type(model).__name__} has no Mamba mixers "
-                          f"(expected transformers' MambaForCausalLM or MambaModel)")
+        raise SonataError(f"accelerate: {type(model).__name__} has no Mamba mixers (expected transformers' "
+                          f"MambaForCausalLM, Mamba2ForCausalLM or their backbones)")
     for m in mixers:
         if "forward" not in vars(m):                     # not yet replaced on this instance
             m._sonata_original_forward = m.forward
-            m.forward = types.MethodType(_mixer_forward, m)
+            fwd = _mamba2_forward if type(m).__name__ == "Mamba2Mixer" else _mixer_forward
+            m.forward = types.MethodType(fwd, m)
     if hasattr(model, "generate") and "generate" not in vars(model) and hasattr(model, "lm_head"):
         model._sonata_original_generate = model.generate
         model.generate = types.MethodType(_generate, model)
@@ -85,7 +89,7 @@ def is_accelerated(model) -> bool:
     return bool(mixers) and all("forward" in vars(m) for m in mixers)
 
 
-# --------------------------------------------------------------------------- the mixer
+# --------------------------------------------------------------------------- the mixers
 
 def _fast_ok(mixer, hidden_states, attention_mask) -> bool:
     w = mixer.in_proj.weight
@@ -119,68 +123,82 @@ def _mixer_forward(self, hidden_states, cache=None, attention_mask=None, **kwarg
     return self.out_proj(y.transpose(1, 2).to(hidden_states.dtype))
 
 
+def _mamba2_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    """Mamba2Mixer.forward on sonata's kernels, where it applies (else the original forward)."""
+    b, L, _ = hidden_states.shape
+    seq_idx = kwargs.get("seq_idx")
+    previous = cache is not None and cache.get_recurrent_state(self.layer_idx) is not None
+    other = any(v is not None for k, v in kwargs.items() if k != "seq_idx")
+    if (not _fast_ok(self, hidden_states, attention_mask) or previous or other
+            or (seq_idx is not None and cache is not None)):
+        return self._sonata_original_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    zxbcdt = self.in_proj(hidden_states)                                 # (b, L, 2 di + 2 G N + h)
+    A = -torch.exp(self.A_log.float())
+    if cache is None:
+        return mamba_split_conv1d_scan_combined(
+            zxbcdt, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias, A, self.D, self.chunk_size,
+            seq_idx=seq_idx, dt_limit=tuple(self.time_step_limit), activation=self.activation,
+            rmsnorm_weight=self.norm.weight, rmsnorm_eps=self.norm.variance_epsilon,
+            outproj_weight=self.out_proj.weight, outproj_bias=self.out_proj.bias, headdim=self.head_dim,
+            ngroups=self.n_groups, norm_before_gate=False)
+    # The prompt pass: transformers keeps the conv window; the SSD's final state goes to the cache.
+    gn = self.n_groups * self.ssm_state_size
+    gate, xBC, dt = zxbcdt.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+    xBC = cache.update_conv_state(xBC.transpose(1, 2), self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+    xBC = causal_conv1d_fn(xBC, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                           activation=self.activation)[:, :, -L:].transpose(1, 2)
+    x, B, C = xBC.split([self.intermediate_size, gn, gn], dim=-1)
+    y, last = mamba_chunk_scan_combined(
+        x.reshape(b, L, self.num_heads, self.head_dim), dt, A, B.reshape(b, L, self.n_groups, -1),
+        C.reshape(b, L, self.n_groups, -1), self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
+        dt_limit=tuple(self.time_step_limit), return_final_states=True)
+    cache.update_recurrent_state(last, layer_idx=self.layer_idx)
+    return self.out_proj(self.norm(y.reshape(b, L, -1), gate).to(hidden_states.dtype))
+
+
 # --------------------------------------------------------------------------- generation
 
-@dataclass
-class Plan:
-    """A plain generate call: what the fast path runs."""
-    input_ids: torch.Tensor
-    new_tokens: int
-    sample: bool
-    temperature: float
-    top_k: int
-    eos: list[int]
-    pad: int | None
+FAST_MODES = ("GREEDY_SEARCH", "SAMPLE")          # transformers' `_sample`: the loop replaced here
+# generate()'s arguments that send a call to transformers' own loop whenever they are set
+_OWN_LOOP_ARGS = ("assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate",
+                  "synced_gpus", "inputs_embeds", "assistant_tokenizer")
 
 
-def _defaults(gc_cls) -> dict:
-    ref = gc_cls()
-    ref.update(**gc_cls._get_default_generation_params(), defaults_only=True)
-    return ref.to_dict()
-
-
-def plain_generation(model, inputs=None, generation_config=None, **kwargs) -> Plan | None:
-    """The `Plan` of a generate call the fast path runs exactly, or None (transformers' own
-    generate then runs it, with whatever warnings or errors it has for it)."""
-    if any(kwargs.pop(a, None) is not None for a in _GENERATE_ARGS):
-        return None
+def fast_generation(model, inputs=None, generation_config=None, **kwargs) -> bool:
+    """Whether a generate call runs sonata's loop: a decoding mode of transformers' `_sample`
+    (greedy or multinomial, no beams, no assistant), ids on the CPU, no attention mask with
+    zeros, and a model sonata's MambaLM mirrors. (A prompt holding the pad token is decided
+    inside the loop, from the mask transformers builds: its own `_sample` then runs it.)"""
+    if any(kwargs.pop(a, None) is not None for a in _OWN_LOOP_ARGS):
+        return False
+    if kwargs.get("cache_implementation") == "paged" or kwargs.get("cache") is not None \
+            or kwargs.get("past_key_values") is not None or kwargs.get("cache_params") is not None:
+        return False
     ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] >= 1
             and ids.dtype == torch.long and ids.device.type == "cpu"):
-        return None
-    try:
-        gc, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
-    except Exception:                    # transformers' generate will say what is wrong
-        return None
-    mask = model_kwargs.pop("attention_mask", None)
+        return False
+    mask = kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
-        return None
-    if model_kwargs:                     # inputs_embeds, a cache passed in, ...
-        return None
-    have, default = gc.to_dict(), _defaults(type(gc))
-    for key in set(have) | set(default):
-        a, b = have.get(key), default.get(key)
-        if key not in _PLAIN_KEYS and a != b and not (a in (None, False) and b in (None, False)):
-            return None
-    if gc.top_p is not None and gc.top_p < 1.0:
-        return None
-    new = gc.max_new_tokens if gc.max_new_tokens is not None else (gc.max_length or 0) - ids.shape[1]
-    if new < 1 or (gc.do_sample and not (gc.temperature or 0) > 0):
-        return None
-    eos = gc.eos_token_id.tolist() if isinstance(gc.eos_token_id, torch.Tensor) else gc.eos_token_id
-    eos = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-    pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else None)
-    if mask is None and gc.pad_token_id is not None and gc.pad_token_id not in eos \
-            and bool((ids == gc.pad_token_id).any()):
-        return None                      # transformers masks the prompt's pad tokens out
-    return Plan(ids, int(new), bool(gc.do_sample), float(gc.temperature or 1.0), int(gc.top_k or 0), eos,
-                None if pad is None else int(pad))
+        return False
+    kwargs.pop("tokenizer", None)
+    try:
+        gc, _ = model._prepare_generation_config(generation_config, **kwargs)
+    except Exception:                    # transformers' generate will say what is wrong
+        return False
+    if gc.get_generation_mode(None).name not in FAST_MODES or gc.token_healing:
+        return False
+    if (gc.guidance_scale or 1) != 1 or (gc.return_dict_in_generate
+                                         and (gc.output_attentions or gc.output_hidden_states)):
+        return False
+    return sonata_lm(model) is not None
 
 
 def sonata_lm(model) -> MambaLM | None:
-    """A sonata MambaLM sharing `model`'s weights (no copy), or None where MambaLM cannot
-    mirror it (biases on the projections, an untied head, not float32 on the CPU). Built once
-    and rebuilt when a parameter's storage changes."""
+    """A sonata MambaLM sharing `model`'s weights (no copy; an untied head kept as it is), or
+    None where MambaLM cannot mirror it (biases on the projections, Mamba-2 settings it lacks,
+    not float32 on the CPU). Its parameters do not require grad (so the SSD step takes its
+    fused path); built once and rebuilt when a parameter's storage changes."""
     params = list(model.parameters())
     cached = getattr(model, "_sonata_lm", None)
     if cached is not None and [p.data_ptr() for p in params] == cached[1]:
@@ -189,13 +207,18 @@ def sonata_lm(model) -> MambaLM | None:
     if all(p.dtype == torch.float32 and p.device.type == "cpu" for p in params):
         try:
             conf = model.config.to_dict()
-            if conf.get("tie_word_embeddings", True) is False:
-                raise SonataError("untied head")
             cfg = config_from_hf(conf)
-            sd = sonata_state_dict({k: v.detach() for k, v in model.state_dict().items()}, cfg, conf)
+            weights = {k: v.detach() for k, v in model.state_dict().items()}
+            head = weights.pop("lm_head.weight", None)
+            tied = head is None or head.data_ptr() == weights["backbone.embeddings.weight"].data_ptr()
+            sd = sonata_state_dict(weights, cfg, conf)
             with torch.device("meta"):
                 lm = MambaLM(cfg.model)
             lm.load_state_dict(sd, assign=True)
+            if not tied:                 # MambaLM ties its head; the decoders read lm_head.weight
+                lm.lm_head = nn.Linear(cfg.model.d_model, cfg.model.vocab_size, bias=False, device="meta")
+                lm.lm_head.weight = nn.Parameter(head, requires_grad=False)
+            lm.requires_grad_(False)
             lm.eval()
         except (SonataError, RuntimeError, KeyError, ValueError):
             lm = None
@@ -204,22 +227,163 @@ def sonata_lm(model) -> MambaLM | None:
 
 
 def _generate(self, inputs=None, generation_config=None, **kwargs):
-    """MambaForCausalLM.generate: sonata's decoder for a plain call (`plain_generation`),
-    transformers' generate for everything else."""
-    plan = plain_generation(self, inputs, generation_config, **dict(kwargs))
-    lm = sonata_lm(self) if plan is not None else None
-    if lm is None:
+    """generate(): transformers' preparation and sonata's loop (`sonata_sample`) where
+    `fast_generation` says so; transformers' generate, unchanged, for everything else."""
+    if not fast_generation(self, inputs, generation_config, **dict(kwargs)):
         return self._sonata_original_generate(inputs, generation_config=generation_config, **kwargs)
-    return decode(lm, plan)
+    tokenizer = kwargs.pop("tokenizer", None)
+    stops = kwargs.get("stop_strings", getattr(generation_config or self.generation_config, "stop_strings", None))
+    if tokenizer is not None and stops is not None:
+        # transformers hands the tokenizer to its own loops only; build its stop-string criterion here
+        from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
+        crit = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+        crit.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stops))
+        kwargs.update(stopping_criteria=crit, stop_strings=None)
+    elif tokenizer is not None:
+        kwargs["tokenizer"] = tokenizer
+    loop = functools.partial(sonata_sample, streamer=kwargs.get("streamer"))
+    return self._sonata_original_generate(inputs, generation_config=generation_config, custom_generate=loop, **kwargs)
 
 
-@torch.inference_mode()
-def decode(lm: MambaLM, plan: Plan) -> torch.Tensor:
-    """transformers' greedy / multinomial decoding (eos ids, finished rows padded) on sonata's
-    generation loop (`sonata.model.decode.generate`) -> (b, T + n) ids."""
-    temperature, top_k = (plan.temperature, plan.top_k) if plan.sample else (0.0, 0)
-    out = generate(lm, plan.input_ids, plan.new_tokens, temperature, top_k, None, stop_token=plan.eos, pad=plan.pad)
-    return out.clone()          # a plain tensor, as transformers returns (generate's is an inference tensor)
+class Mamba2Decoder:
+    """Decoding for a MambaLM of Mamba-2 layers (what `Mamba2ForCausalLM` maps to), every state
+    and scratch tensor allocated once: per token and layer, an RMSNorm, in_proj, the conv as a
+    ring buffer (taps rotated to its write position, as sonata's Mamba-1 `TorchDecoder`), the
+    fused `ssd_step` (decay, state update, C read-out, D skip and the silu(z) gate; called on
+    detached tensors, so it takes its numba path), the grouped RMSNorm and out_proj into the
+    residual. `Mamba2Mixer.step` (sonata's model) is its reference; the tests compare ids."""
+
+    def __init__(self, model: MambaLM, batch: int):
+        c = model.cfg
+        d, di, k, h, g, n = c.d_model, c.d_inner, c.d_conv, c.nheads, c.ngroups, c.d_state
+        self.model, self.k, self.pos, self.b = model, k, 0, batch
+        self.dims = (di, h, c.headdim, g, n)
+        new = model.embedding.weight.new_zeros
+        self.layers = []
+        for layer in model.layers:
+            m = layer.mixer
+            cw = m.conv1d.weight.detach()[:, 0, :]                          # (cd, k)
+            self.layers.append(dict(
+                norm=(layer.norm.weight.detach(), layer.norm.eps), in_wt=m.in_proj.weight.detach().t(),
+                conv_w=torch.stack([torch.stack([cw[:, k - 1 - ((s - j) % k)] for j in range(k)])
+                                    for s in range(k)]),                    # (k slots, k, cd)
+                conv_b=m.conv1d.bias.detach(), A=m.A.detach(), D=m.D.detach(), dt_b=m.dt_bias.detach(),
+                gnorm=(m.norm.weight.detach().view(g, di // g), m.norm.eps), out_wt=m.out_proj.weight.detach().t(),
+                conv=new(batch, k, m.conv_dim), ssm=new(batch, h, c.headdim, n)))
+        self.emb, self.head_wt = model.embedding.weight.detach(), model.lm_head.weight.detach().t()
+        self.norm_f = (model.norm_f.weight.detach(), model.norm_f.eps)
+        cd = self.layers[0]["conv"].shape[-1]
+        self.h, self.zx = new(batch, d), new(batch, self.layers[0]["in_wt"].shape[1])
+        self.tmp, self.xc, self.g = new(batch, k, cd), new(batch, cd), new(batch, cd)
+        self.logits = new(batch, c.vocab_size)
+
+    @contextlib.contextmanager
+    def threads(self):
+        """One torch thread while the in_proj work per step is small (sonata's decoders' rule:
+        a waiting OpenMP pool costs milliseconds a step on a busy machine)."""
+        n = torch.get_num_threads()
+        small = self.b * self.h.shape[1] * self.zx.shape[1] < ONE_THREAD_MACS
+        torch.set_num_threads(1 if small else n)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(n)
+
+    @torch.inference_mode()
+    def prefill(self, prompt) -> torch.Tensor:
+        logits, states = self.model.prefill(prompt)
+        for lw, (conv, ssm) in zip(self.layers, states):
+            lw["conv"].copy_(conv.transpose(1, 2))                          # newest in slot k-1
+            lw["ssm"].copy_(ssm)
+        self.pos = 0
+        return self.logits.copy_(logits)
+
+    @torch.inference_mode()
+    def step(self, idx) -> torch.Tensor:
+        di, nh, p, g, n = self.dims
+        b, h, slot = self.b, self.h, self.pos
+        self.pos = (slot + 1) % self.k
+        torch.index_select(self.emb, 0, idx, out=h)
+        z, xBC, dt = self.zx[:, :di], self.zx[:, di:-nh], self.zx[:, -nh:]
+        for lw in self.layers:
+            torch.mm(F.rms_norm(h, h.shape[1:], *lw["norm"]), lw["in_wt"], out=self.zx)
+            lw["conv"][:, slot].copy_(xBC)
+            torch.mul(lw["conv"], lw["conv_w"][slot], out=self.tmp)
+            torch.sum(self.tmp, 1, out=self.xc).add_(lw["conv_b"])
+            torch.sigmoid(self.xc, out=self.g)
+            xc = self.xc.mul_(self.g)                                       # silu
+            x, B, C = xc[:, :di], xc[:, di:di + g * n], xc[:, di + g * n:]
+            y = ssd_step(lw["ssm"], x.reshape(b, nh, p), dt.contiguous(), lw["A"], B.reshape(b, g, n),
+                         C.reshape(b, g, n), D=lw["D"], z=z.reshape(b, nh, p), dt_bias=lw["dt_b"], dt_softplus=True)
+            w, eps = lw["gnorm"]
+            y = F.rms_norm(y.view(b, g, -1), w.shape[1:], eps=eps).mul_(w)  # grouped, after the gate
+            h.addmm_(y.view(b, di), lw["out_wt"])
+        return torch.mm(F.rms_norm(h, h.shape[1:], *self.norm_f), self.head_wt, out=self.logits)
 
 
-__all__ = ["accelerate", "is_accelerated", "plain_generation", "sonata_lm", "decode", "Plan"]
+@torch.no_grad()
+def sonata_sample(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                  streamer=None, **model_kwargs):
+    """transformers' `_sample` (greedy and multinomial decoding), with sonata's decoder in place
+    of the model's forward: the same processors, token choice, eos / pad rule, stopping
+    criteria and streamer calls, so the same ids from the same generator state."""
+    from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
+    lm = sonata_lm(model)
+    if lm is None or model_kwargs.get("attention_mask") is not None or input_ids.device.type != "cpu":
+        return GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                       synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+    gc = generation_config
+    pad = gc._pad_token_tensor
+    has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    keep = gc.return_dict_in_generate
+    scores = () if keep and gc.output_scores else None
+    raw = () if keep and gc.output_logits else None
+    b, T = input_ids.shape
+    buf = torch.empty(b, max(T + 1, min(gc.max_length or 0, T + 4096)), dtype=torch.long)
+    buf[:, :T] = input_ids
+    t, unfinished = T, torch.ones(b, dtype=torch.long)
+    dec = decoder(lm, b)
+    logits = dec.prefill(input_ids)                                      # (b, vocab)
+    with dec.threads():
+        while True:
+            nxt_logits = logits.to(copy=True, dtype=torch.float32)
+            ids = buf[:, :t]
+            nxt_scores = logits_processor(ids, nxt_logits)
+            if scores is not None:
+                scores += (nxt_scores,)
+            if raw is not None:
+                raw += (nxt_logits,)
+            if gc.do_sample:
+                nxt = torch.multinomial(nn.functional.softmax(nxt_scores, dim=-1), num_samples=1).squeeze(1)
+            else:
+                nxt = torch.argmax(nxt_scores, dim=-1)
+            if has_eos:
+                nxt = nxt * unfinished + pad * (1 - unfinished)
+            if t == buf.shape[1]:                                        # a long run: grow the buffer
+                buf = torch.cat([buf, torch.empty_like(buf)], dim=1)
+            buf[:, t] = nxt
+            t += 1
+            if streamer is not None:
+                streamer.put(nxt.cpu())
+            unfinished = unfinished & ~stopping_criteria(buf[:, :t], scores)
+            if unfinished.max() == 0:
+                break
+            with torch.inference_mode():
+                logits = dec.step(nxt)
+    if streamer is not None:
+        streamer.end()
+    out = buf[:, :t].clone()
+    if keep:
+        return GenerateDecoderOnlyOutput(sequences=out, scores=scores, logits=raw, cache=None)
+    return out
+
+
+def decoder(lm: MambaLM, batch: int):
+    """sonata's decoder for `lm`: Mamba-1, `sonata.model.decode.Decoder` (the fused numba step);
+    every layer Mamba-2, `Mamba2Decoder`."""
+    if all(k == "mamba2" for k in lm.cfg.kinds):
+        return Mamba2Decoder(lm, batch)
+    return Decoder(lm, batch)
+
+
+__all__ = ["accelerate", "is_accelerated", "fast_generation", "sonata_lm", "sonata_sample", "decoder", "Mamba2Decoder", "FAST_MODES"]
