@@ -77,13 +77,8 @@ IMPLS = ("sonata", "transformers", "chunked ref", "mamba-1")
 
 
 def cpu_line() -> str:
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
-    except OSError:
-        pass
-    return (f"cpu: {name} ({os.cpu_count()} cores), {torch.get_num_threads()} torch threads; "
+    from sonata.lab.bench import hardware_name
+    return (f"cpu: {hardware_name(torch.device('cpu'))} ({os.cpu_count()} cores); "
             f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}); "
             f"python {platform.python_version()}")
 

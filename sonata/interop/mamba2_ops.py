@@ -33,8 +33,8 @@ kernel with its hand-written backward on CPU tensors, Triton on CUDA), `seq_idx`
 (the state resets where it changes). The decoding step goes through `ssd_step` (one fused
 numba pass over the state) when A, dt and dt_bias are one number per head, as Mamba-2 passes
 them (stride-0 expansions over p and n; equal values count too); a genuinely per-element A
-or dt runs the reference, correct and slower. The gated norm is sonata's fused RMSNorm
-(`sonata.kernels.rms_norm`) on the gated input, per group. The causal conv is PyTorch's
+or dt runs the reference, correct and slower. The gated norm is sonata's gated, grouped
+RMSNorm (`sonata.kernels.rms_norm_gated`, one fused pass on CPU). The causal conv is PyTorch's
 depthwise conv1d; with `seq_idx` a masked form that lets no tap cross a sequence boundary.
 
 `cu_seqlens` (with `return_varlen_states`, batch 1) gives each packed sequence's own final
@@ -52,7 +52,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sonata.kernels import rms_norm
+from sonata.kernels import rms_norm_gated
 from sonata.kernels.reference import compute_dtype
 from sonata.kernels.ssd import ssd, ssd_recurrent_ref, ssd_step
 
@@ -342,24 +342,13 @@ def layer_norm_ref(x, weight, bias=None, z=None, eps=1e-6, group_size=None, norm
 
 
 def layernorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True, is_rms_norm=False):
-    """mamba_ssm's `layernorm_fn`. The RMSNorm form without bias runs sonata's fused RMSNorm
-    on the (gated) input, group by group; the LayerNorm form and a bias run `layer_norm_ref`."""
+    """mamba_ssm's `layernorm_fn`. The RMSNorm form without bias runs sonata's gated, grouped
+    RMSNorm (`sonata.kernels.rms_norm_gated`, fused on CPU); the LayerNorm form and a bias run
+    `layer_norm_ref`."""
     if not is_rms_norm or bias is not None:
         return layer_norm_ref(x, weight, bias, z, eps, group_size, norm_before_gate, is_rms_norm)
-    d, g = _check_norm(x, weight, group_size)
-    ct = compute_dtype(x.dtype)
-    v = x.to(ct)
-    gate = None if z is None else F.silu(z.to(ct))
-    if gate is not None and not norm_before_gate:
-        v = v * gate
-    if g == d:
-        out = rms_norm(v, weight.to(ct), eps)
-    else:
-        ones = torch.ones(g, dtype=ct, device=v.device)
-        out = rms_norm(v.reshape(*v.shape[:-1], d // g, g), ones, eps).reshape(v.shape) * weight.to(ct)
-    if gate is not None and norm_before_gate:
-        out = out * gate
-    return out.to(x.dtype)
+    _, g = _check_norm(x, weight, group_size)
+    return rms_norm_gated(x, weight, z, eps, g, norm_before_gate)
 
 
 def rmsnorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True):

@@ -178,3 +178,19 @@ def test_bad_mamba2_setting_is_one_error_line(tmp_path):
     r = run_cli("train", "--out", str(tmp_path / "run"), "model.arch=mamba2", "model.headdim=7")
     _assert_one_error_line(r, "model.headdim (7) must divide d_inner")
     assert not (tmp_path / "run").exists()
+
+
+def test_generation_steps_the_prefilled_state_on_the_fused_kernel(monkeypatch):
+    """The prompt pass hands the decoder a contiguous SSD state, so every decoding step runs the
+    fused ssd_step (before, the CPU path's final state was a strided view and each step fell to
+    the torch reference)."""
+    from sonata.kernels.ssd import step as step_mod
+    if step_mod._step_kernel is None:
+        pytest.skip("numba not installed")
+    calls, kernel = [], step_mod._step_kernel
+    monkeypatch.setattr(step_mod, "_step_kernel", lambda *a: (calls.append(1), kernel(*a))[1])
+    m = model()
+    _, states = m.prefill(torch.randint(0, 40, (1, 9)))
+    assert all(s[1].is_contiguous() for s in states)
+    m.generate(torch.randint(0, 40, (1, 9)), 5, temperature=0)
+    assert len(calls) == 4 * len(m.layers)                 # 5 new tokens: 4 steps after the prefill

@@ -469,4 +469,5 @@ def ssd_cpu(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=None, initial
     x, dt, B, C = x.contiguous(), dt.contiguous(), B.contiguous(), C.contiguous()
     z = None if z is None else z.contiguous()
     out, final = SSDFunction.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, opts)
-    return (out, final) if return_final_states else out
+    # the final state comes back contiguous (as mamba_ssm's does): a decoder steps it in place
+    return (out, final.contiguous()) if return_final_states else out
