@@ -475,7 +475,28 @@ def install() -> list[str]:
         for attr in attrs:
             setattr(sys.modules[name], attr, getattr(this, attr))
         done.append(name)
+    _serve_cpu_in_transformers({name.split(".")[0] for name in done})
     return done
+
+
+def _serve_cpu_in_transformers(tops: set[str]) -> None:
+    """transformers 5.25 and later send CPU tensors to its own PyTorch path even where an op's
+    package imports (`_PACKAGE_SUPPORTED_DEVICES`: mamba_ssm and causal_conv1d run on "cuda"
+    only); each op reads that table when its model module is imported. The shim's ops run on
+    CPU (and on CUDA through Triton), so the packages served here are marked for both. A real
+    installation is left as transformers says (it is skipped above and not in `tops`); a
+    transformers without the table (before 5.25) or none at all is left alone."""
+    import importlib.util
+    if not tops or importlib.util.find_spec("transformers") is None:
+        return
+    try:
+        from transformers.integrations import hub_kernels
+    except Exception:            # a transformers too old for the integration: nothing to mark
+        return
+    table = getattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", None)
+    if isinstance(table, dict):
+        for top in tops & set(table):
+            table[top] = tuple(dict.fromkeys((*table[top], "cpu", "cuda")))
 
 
 __all__ = ["selective_scan_fn", "selective_scan_ref", "mamba_inner_fn", "mamba_inner_ref", "causal_conv1d_fn",

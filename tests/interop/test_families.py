@@ -9,6 +9,7 @@ that the calls reached sonata's kernels (counted in the shim's process)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,11 @@ import torch
 pytest.importorskip("transformers")
 
 import families_run  # noqa: E402  (tests/interop is on sys.path under pytest's default import mode)
+
+from packaging.version import Version  # noqa: E402
+import transformers  # noqa: E402
+
+FALCON_FUSED_DISAGREES = Version(transformers.__version__) < Version("5.25")
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
@@ -55,7 +61,7 @@ def test_mamba_ssm_is_not_installed_here_and_the_shim_silences_transformers_fall
     from sonata.interop.mamba_ssm import _installed
     assert not _installed("mamba_ssm") and not _installed("causal_conv1d")
     _, _, logs = runs
-    assert "mamba_ssm` is not installed" in logs["plain"]
+    assert re.search(r"mamba_ssm`? is (either )?not installed", logs["plain"]), logs["plain"][-3000:]
     assert "is falling back to its reference PyTorch implementation" not in logs["shim"], logs["shim"][-3000:]
 
 
@@ -97,10 +103,11 @@ def test_sonatas_kernels_were_taken(runs, family):
 
 
 @pytest.mark.parametrize("family", [
-    pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=(
-        "transformers' FalconMamba paths disagree: its PyTorch path normalizes dt over the rank before "
-        "dt_proj, mamba_ssm's mamba_inner_fn (which the shim follows, as a real mamba_ssm would) normalizes "
-        "delta after it"))) if f == "FalconMamba" else f for f in FAMILIES])
+    pytest.param(f, marks=pytest.mark.xfail(FALCON_FUSED_DISAGREES, strict=True, reason=(
+        "transformers' FalconMamba paths disagree before 5.25: its PyTorch path normalizes dt over the rank "
+        "before dt_proj, mamba_ssm's mamba_inner_fn (which the shim follows, as a real mamba_ssm would) "
+        "normalizes delta after it; 5.25 dropped that fused path"))) if f == "FalconMamba" else f
+    for f in FAMILIES])
 def test_training_step_loss_and_gradients_equal(runs, family):
     plain, shim = _both(runs, family)
     assert abs(float(shim["loss"] - plain["loss"])) <= 1e-5 * max(1.0, abs(float(plain["loss"])))

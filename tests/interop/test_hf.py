@@ -237,10 +237,21 @@ def _assert_transformers_own_mamba2_path():
     (at import, `use_kernel_func_from_hub_with_fallback`) and the comparison would be circular."""
     from transformers.models.mamba2 import modeling_mamba2 as mm
     for name in ("mamba2_chunk_scan", "mamba2_selective_state_update", "causal_conv1d_fn", "causal_conv1d_update"):
-        f = getattr(mm, name)
-        cells = dict(zip(f.__code__.co_freevars, f.__closure__ or ()))
+        cells = _cells(getattr(mm, name))
         if "is_new_implementation" in cells:                # this transformers' wrapper (5.x)
-            assert cells["is_new_implementation"].cell_contents is False, f"transformers' {name} is not its own"
+            devices = cells["supported_devices"].cell_contents if "supported_devices" in cells else None
+            own = cells["is_new_implementation"].cell_contents is False or (devices is not None and "cpu" not in devices)
+            assert own, f"transformers' {name} is not its own on CPU"
+
+
+def _cells(f):
+    """The closure of transformers' op wrapper by name; with the `kernels` package installed
+    (transformers 5.25 requires it) the wrapper sits inside kernels' `Func` module, whose
+    forward calls it."""
+    if isinstance(f, torch.nn.Module):
+        forward = type(f).forward
+        f = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))["func"].cell_contents
+    return dict(zip(f.__code__.co_freevars, f.__closure__ or ()))
 
 
 def _random_hf2(path, seed=3, **kw):
