@@ -28,7 +28,7 @@ INSIDE = {
                 {"cpu", "ssd.triton"}, {"__init__"}, {"ssd"}],
     "data": [{"vocab"}, {"sources"}, {"token_cache"}, {"batches", "tasks"}],
     "model": [{"quant", "norm", "gpt2"}, {"block", "decode"}, {"mamba", "mamba2", "mamba3", "attention"}, {"lm"}],
-    "train": [{"memory", "leak", "plan", "schedule", "tensorboard_log"},
+    "train": [{"memory", "leak", "plan", "schedule", "tensorboard_log", "record"},
               {"autotune", "distributed", "evaluate", "summary", "update", "stops"}, {"trainer"}],
     "interop": [{"hf", "mamba2_ops", "mamba_ssm"}, {"hf_accelerate"}],
     "lab": [{"plots", "peers"}, {"timing", "generate"},

@@ -1,7 +1,11 @@
 """A run's summary (summary.json), assembled from a finished Trainer: what it trained, how
-far, how fast, where the time and memory went, and every check's result. `Throughput`
-collects the sustained tokens/s as the steps go."""
+far, how fast, where the time and memory went, and every check's result. The run's
+bookkeeping comes from its record (`tr.record`, sonata.train.record), the rest from the
+Trainer's machinery (plan, schedule, model, memory guard, data). `Throughput` collects the
+sustained tokens/s as the steps go."""
 from __future__ import annotations
+
+import json
 
 import torch
 
@@ -43,17 +47,17 @@ def run_summary(tr, last_eval, speed: Throughput, wall_s: float) -> dict:
     """The summary of trainer `tr` after its run: `last_eval` its final evaluation, `speed` its
     throughput, `wall_s` the whole run() including the final checkpoint. Peaks are the
     maxima over data-parallel ranks (a collective)."""
-    plan, sch = tr.plan, tr.schedule
+    plan, rec = tr.plan, tr.record
     peak_mem, guard_peak = peak_memory_bytes(tr.device), tr.guard.peak
     if tr.world > 1:
         peak_mem, guard_peak = distributed.all_reduce_max([peak_mem, guard_peak])
-    saves = tr.checkpoint_seconds
     return {
-        "steps": tr.step, "tokens": tr.tokens,
+        "steps": rec.step, "tokens": rec.tokens,
         # where the run's time went: a time budget (max_seconds) counts train_seconds only
-        "wall_s": wall_s, "setup_s": tr.setup_seconds, "eval_s": tr.eval_seconds, "checkpoint_s": sum(saves),
-        "max_seconds": tr.cfg.train.max_seconds, "train_seconds": sch.train_seconds,
-        "stopped_by": sch.stopped_by, "resumed_budget": tr.resumed_budget,
+        "wall_s": wall_s, "setup_s": rec.setup_seconds, "eval_s": rec.eval_seconds,
+        "checkpoint_s": sum(rec.checkpoint_seconds),
+        "max_seconds": tr.cfg.train.max_seconds, "train_seconds": tr.schedule.train_seconds,   # the run's clock
+        "stopped_by": rec.stopped_by, "resumed_budget": rec.resumed_budget,
         "tok_per_s_sustained": speed.sustained, "sustained_excludes_steps": MEASURE_SKIP,
         **last_eval.fields(), **({"val_tokens": last_eval.tokens, "val_bytes": last_eval.bytes}
                                  if tr.corpus else {"val_sequences": last_eval.sequences}),
@@ -63,8 +67,7 @@ def run_summary(tr, last_eval, speed: Throughput, wall_s: float) -> dict:
         "backend": kernels.resolve_backend(tr.cfg.model.backend, torch.zeros(1, device=tr.device))[0],
         "fallbacks": kernels.fallback_count(),
         "peak_mem_bytes": int(peak_mem),
-        "h2d_bytes_in_steps": sum(r["h2d_bytes"] for r in tr.history),
-        "d2h_bytes_in_steps": sum(r["d2h_bytes"] for r in tr.history),
+        "h2d_bytes_in_steps": rec.copied_bytes("h2d"), "d2h_bytes_in_steps": rec.copied_bytes("d2h"),
         "host_offload_bytes": 0,     # nothing is offloaded to host memory in this trainer
         "precision": plan.precision, "micro_batch": plan.micro_batch, "accumulation": plan.accumulation,
         "effective_batch": plan.effective_batch, "batch_how": plan.how, "plan": plan.to_dict(),
@@ -72,15 +75,23 @@ def run_summary(tr, last_eval, speed: Throughput, wall_s: float) -> dict:
         "memory_budget_bytes": tr.guard.budget, "guard_peak_bytes": int(guard_peak),
         **tr.leak.report(),
         "debug_leak": tr.cfg.debug.leak,
-        "autotune": tr.autotune_result,
-        "checkpoints_written": len(saves),
-        "checkpoint_s_mean": sum(saves) / len(saves) if saves else None,
-        "checkpoint_s_max": max(saves, default=None),
-        "restarts": distributed.context().restarts, "resumed_from_step": tr.resumed_from_step,
+        "autotune": rec.autotune,
+        **rec.checkpoint_figures(),
+        "restarts": distributed.context().restarts, "resumed_from_step": rec.resumed_from_step,
         "launch_id": distributed.launch_id(),
-        **tr.counters,
+        **rec.counters,
         "data": tr.corpus.summary() if tr.corpus else tr.task.summary(tr.cfg.data.seq_len),
     }
+
+
+def write_summary(tr, last_eval, speed: Throughput, wall_s: float) -> dict:
+    """`run_summary` (an int8 run's `int8_report` added), written to summary.json by rank 0."""
+    summary = run_summary(tr, last_eval, speed, wall_s)
+    if tr.plan.precision == "int8":
+        summary.update(int8_report(tr))
+    if tr.out_dir and tr.is_main:
+        ckpt.write_atomic(tr.out_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode(), "summary")
+    return summary
 
 
 def int8_report(tr) -> dict:
@@ -102,4 +113,4 @@ def int8_report(tr) -> dict:
             "val_bpb_int8_export": export.bpb}
 
 
-__all__ = ["MEASURE_SKIP", "Throughput", "run_summary", "int8_report"]
+__all__ = ["MEASURE_SKIP", "Throughput", "run_summary", "write_summary", "int8_report"]

@@ -6,15 +6,13 @@ AdamW at the learning rate the run's `Schedule` gives (sonata.train.schedule: wa
 cosine over steps or over a time budget; it also says when the run ends). The batch,
 accumulation and precision come from the run's frozen `Plan` (sonata.train.plan); the
 MemoryGuard wraps each step (sonata.train.memory); data parallel adds DDP and the agreements
-of sonata.train.distributed; the summary is assembled by sonata.train.summary. docs/architecture.md
+of sonata.train.distributed; the run's bookkeeping is one `RunRecord` (sonata.train.record), which the
+summary (sonata.train.summary) and the early stops (sonata.train.stops) read. docs/architecture.md
 describes how the pieces fit.
 """
 from __future__ import annotations
 
 import contextlib
-import json
-import signal
-import threading
 import time
 import warnings
 from dataclasses import replace
@@ -43,34 +41,11 @@ from sonata.data.vocab import Vocab
 from sonata.model.lm import MambaLM, build_model
 from sonata.model.quant import set_int8
 from sonata.train.plan import Plan, plan_batch, resumed_inputs
+from sonata.train.record import RunRecord
 from sonata.train.schedule import Schedule, continue_in_steps
-from sonata.train.summary import Throughput, int8_report, run_summary
+from sonata.train.summary import Throughput, write_summary
 from sonata.train.tensorboard_log import TensorBoardLog
 from sonata.train.update import Updater
-
-class _StopSignal:
-    """While training, SIGINT/SIGTERM set a flag; the loop stops between steps, so an
-    emergency checkpoint never catches an optimizer step half-applied."""
-
-    def __init__(self):
-        self.signum = None
-        self._old = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.signum is not None:        # a second signal: stop now
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
 
 def _data(cfg: Config, vocab_state: dict | None, device, budget_bytes: int, progress):
     """(task, corpus): a synthetic task's fresh sequences, or a corpus (language modeling; a
@@ -81,13 +56,69 @@ def _data(cfg: Config, vocab_state: dict | None, device, budget_bytes: int, prog
     return None, build_corpus(cfg.data, device, vocab=vocab, progress=progress, budget_bytes=budget_bytes)
 
 
+def _plan(t, state: dict | None, profile, world: int, device) -> Plan:
+    """The run's batch plan (a resume's: the checkpoint's, but for what the user changed), its
+    precision checked on `device`; a fixed micro-batch says so (and that autotuning is off)."""
+    asked = resumed_inputs(t, state["config"], state.get("plan"), world) if state else t
+    plan = plan_batch(asked, profile, world)
+    check_precision(plan.precision, device)
+    if t.fixed_micro_batch:             # stacklevel 3: the line that made the Trainer
+        warnings.warn(f"sonata: micro-batch {plan.how}", UserWarning, stacklevel=3)
+        if t.autotune:
+            warnings.warn("sonata: train.autotune is ignored: train.fixed_micro_batch is set",
+                          UserWarning, stacklevel=3)
+    return plan
+
+
 def _metrics_log(tr) -> ckpt.MetricsLog | None:
     """Rank 0's metrics.jsonl (a branch from another folder's checkpoint starts with its rows)."""
     if not tr.is_main:
         return None
     branched = tr.source is not None and tr.source.resolve().parent != tr.out_dir.resolve()
-    return ckpt.MetricsLog(tr.out_dir / "metrics.jsonl", through_step=tr.step, last_row=tr._resumed_last_row,
+    return ckpt.MetricsLog(tr.out_dir / "metrics.jsonl", through_step=tr.record.step,
+                           last_row=tr.record.resumed_last_row,
                            source=tr.source.parent / "metrics.jsonl" if branched else None)
+
+
+def checkpoint_state(tr) -> dict:
+    """Everything a resume of trainer `tr` needs: what its checkpoint holds (`Trainer.state_dict`)."""
+    rec = tr.record
+    return {"model": tr.model.state_dict(), "optimizer": tr.optimizer.state_dict(),
+            "scaler": tr.scaler.state_dict(),
+            "scheduler": {"kind": "warmup_cosine", "step": rec.step},
+            "step": rec.step, "micro_step": rec.step * tr.plan.accumulation * tr.world,
+            "world_size": tr.world,
+            "tokens": rec.tokens, **tr.schedule.state_dict(), "counters": dict(rec.counters),
+            "consecutive_nonfinite": tr.update.consecutive_nonfinite,
+            "sampler": tr.sampler.state_dict(), "rng": rng_state(),
+            "vocab": tr.corpus.vocab.state_dict() if tr.corpus else None, "config": tr.cfg.to_dict(),
+            "plan": tr.plan.to_dict(), "last_row": rec.last_row,
+            "launch_id": distributed.launch_id(),   # which launch wrote it (restarts resume only their own)
+            "profile": tr.profile.to_dict(), "autotune": rec.autotune}
+
+
+def restore_state(tr, state: dict) -> None:
+    """Trainer `tr` back at `checkpoint_state`'s `state` (the plan is resolved in __init__);
+    a state that does not fit is a CheckpointError."""
+    try:
+        tr.model.load_state_dict(state["model"])
+        tr.update.load_optimizer(state["optimizer"])
+        if state.get("scaler"):
+            tr.scaler.load_state_dict(state["scaler"])
+        tr.sampler.load_state_dict(state["sampler"])
+        tr.record.resume(state)
+        tr.schedule.load_state_dict(state)
+        tr.update.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
+        set_rng_state(state["rng"])
+    except (KeyError, RuntimeError, ValueError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {tr.source or ''} does not match this configuration: "
+                              f"{str(e).splitlines()[0][:200]}") from None
+    tr.optimizer.zero_grad(set_to_none=True)
+
+
+def _from_record(name: str, doc: str) -> property:
+    """A read-only Trainer attribute that is the record's (`trainer.record`)."""
+    return property(lambda tr: getattr(tr.record, name), doc=doc)
 
 
 class Trainer:
@@ -97,15 +128,19 @@ class Trainer:
     `source` its file (never pruned by train.keep_checkpoints; in another folder, its metrics
     rows start this run's); `init`: a checkpoint's dict whose weights and vocabulary start a
     new run (`train --init`); `progress`: auto | bar | lines | none. `trainer.plan` is what
-    the run trains with; `cfg` stays what was asked (but a resumed budgeted run's train.*)."""
+    the run trains with; `cfg` stays what was asked (but a resumed budgeted run's train.*).
+    `trainer.record` (sonata.train.record) is the run's bookkeeping: step, tokens, history..."""
+
+    step = _from_record("step", "Optimizer steps done (a resumed run's included).")
+    tokens = _from_record("tokens", "Tokens trained on, over every rank.")
+    history = _from_record("history", "The metrics rows of run()'s steps, one a step.")
+    counters = _from_record("counters", "Skipped updates: nonfinite_steps, scaler_skipped_steps.")
+    stopped_by = _from_record("stopped_by", 'After run(): "time" (the budget) or "steps".')
+    train_seconds = property(lambda tr: tr.schedule.train_seconds, doc="Time inside optimizer steps, resumes added.")
 
     def __init__(self, cfg: Config, out_dir=None, state: dict | None = None, progress: str | None = None,
                  source=None, init: dict | None = None):
         cfg.validate()
-        saved_budget = (state or {}).get("config", {}).get("train", {}).get("max_seconds")
-        # the checkpoint's budget, time and steps when resuming a budgeted run (the summary says it)
-        self.resumed_budget = ({"max_seconds": saved_budget, "train_seconds": state.get("train_seconds", 0.0),
-                                "steps": state["step"]} if saved_budget else None)
         if state:
             cfg = replace(cfg, train=continue_in_steps(cfg.train, state)).validate()
         self.cfg = cfg
@@ -125,15 +160,7 @@ class Trainer:
         self.device = dctx.device if self.world > 1 else resolve_device(t.device)
         self.profile = resolve_profile(cfg.profile, self.device.type, available_ram_bytes(),
                                        device_total_bytes(self.device))
-        asked = resumed_inputs(t, state["config"], state.get("plan"), self.world) if state else t
-        self.plan: Plan = plan_batch(asked, self.profile, self.world)
-        check_precision(self.plan.precision, self.device)
-        if t.fixed_micro_batch:
-            warnings.warn(f"sonata: micro-batch {self.plan.how}", UserWarning, stacklevel=2)
-            if t.autotune:
-                warnings.warn("sonata: train.autotune is ignored: train.fixed_micro_batch is set",
-                              UserWarning, stacklevel=2)
-        self.autotune_result: dict | None = None
+        self.plan: Plan = _plan(t, state, self.profile, self.world, self.device)
         self.guard = MemoryGuard(self.profile.memory_budget_bytes, self.device,
                                  what=("profile.memory_budget_mb" if cfg.profile.memory_budget_mb else
                                        f"profile {self.profile.name}: {self.profile.budget_source}"))
@@ -158,62 +185,26 @@ class Trainer:
         self.sampler = (TaskSampler(self.task, cfg.data.seq_len, seed=t.seed, device=self.device,
                                     curriculum=cfg.task.curriculum) if self.task
                         else BatchSampler(self.corpus.train, cfg.data.seq_len, seed=t.seed, device=self.device))
-        self.step = 0
-        self.tokens = 0
+        self.record = RunRecord.starting(state, self.update.counters)     # the run's bookkeeping
         self.schedule = Schedule(t)   # the learning rate, the budget, when to stop
         self._step_s = 0.0            # this rank's time of the last train_step
         self.step_start = None       # (sampler, rng) at the start of the step in progress (DDP)
-        self.checkpoint_seconds: list[float] = []
-        self.setup_seconds = 0.0      # before the first step of run() (autotuning, kernel warm-up)
-        self.eval_seconds = 0.0       # validation inside run()
         self._last_save = time.monotonic()
-        self.resumed_from_step = int(state["step"]) if state else None
-        self.history: list[dict] = []
-        self._last_row: dict | None = None          # the metrics row of the last completed step
-        self._resumed_last_row: dict | None = None
-        self.emergency_reason: str | None = None
         self._byte_len = torch.from_numpy(self.corpus.vocab.byte_lengths).to(self.device) if self.corpus else None
         if state:
             self.load_state_dict(state)
-            if self.autotune_result:
+            if self.record.autotune:
                 self.plan = self.plan.with_batch(self.plan.micro_batch,
                                                  "autotuned before step 1 (recorded in the checkpoint)")
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """Everything a resume needs (what a checkpoint holds)."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict(),
-                "scheduler": {"kind": "warmup_cosine", "step": self.step},
-                "step": self.step, "micro_step": self.step * self.plan.accumulation * self.world,
-                "world_size": self.world,
-                "tokens": self.tokens, **self.schedule.state_dict(), "counters": dict(self.counters),
-                "consecutive_nonfinite": self.update.consecutive_nonfinite,
-                "sampler": self.sampler.state_dict(), "rng": rng_state(),
-                "vocab": self.corpus.vocab.state_dict() if self.corpus else None, "config": self.cfg.to_dict(),
-                "plan": self.plan.to_dict(), "last_row": self._last_row,
-                "launch_id": distributed.launch_id(),   # which launch wrote it (restarts resume only their own)
-                "profile": self.profile.to_dict(), "autotune": self.autotune_result}
+        """Everything a resume needs (what a checkpoint holds: `checkpoint_state`)."""
+        return checkpoint_state(self)
 
     def load_state_dict(self, state: dict) -> None:
         """The training state of `state_dict()` (the plan is resolved in __init__)."""
-        try:
-            self.model.load_state_dict(state["model"])
-            self.update.load_optimizer(state["optimizer"])
-            if state.get("scaler"):
-                self.scaler.load_state_dict(state["scaler"])
-            self.sampler.load_state_dict(state["sampler"])
-            self.step, self.tokens = int(state["step"]), int(state["tokens"])
-            self.schedule.load_state_dict(state)
-            self.counters.update(state.get("counters", {}))
-            self.update.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
-            self.autotune_result = state.get("autotune")
-            self._last_row = self._resumed_last_row = state.get("last_row")
-            set_rng_state(state["rng"])
-        except (KeyError, RuntimeError, ValueError, TypeError) as e:
-            raise CheckpointError(f"checkpoint {self.source or ''} does not match this configuration: "
-                                  f"{str(e).splitlines()[0][:200]}") from None
-        self.optimizer.zero_grad(set_to_none=True)
+        restore_state(self, state)
 
     def start_from(self, model_state: dict) -> None:
         """A new run from another run's weights (`train --init`, notebook 08's second phase):
@@ -235,24 +226,24 @@ class Trainer:
         if not (self.is_main or any_rank):
             return path
         if not self.model_is_finite():
-            warnings.warn(f"sonata: model has non-finite weights at step {self.step}; "
+            warnings.warn(f"sonata: model has non-finite weights at step {self.record.step}; "
                           f"checkpoint {path} left as it was", RuntimeWarning, stacklevel=2)
             return None
         t0 = time.perf_counter()
         ckpt.save(self.state_dict(), path)
         if self.cfg.train.keep_checkpoints and path.name == "checkpoint.pt":
-            ckpt.keep_last(path, self.step, self.cfg.train.keep_checkpoints, keep=(self.source,))
-        self.checkpoint_seconds.append(time.perf_counter() - t0)
+            ckpt.keep_last(path, self.record.step, self.cfg.train.keep_checkpoints, keep=(self.source,))
+        self.record.checkpoint_seconds.append(time.perf_counter() - t0)
         self._last_save = time.monotonic()
         return path
 
     def _checkpoint_due(self, final: bool) -> bool:
         """Every train.checkpoint_every steps, and when train.checkpoint_every_s passed since
-        the last checkpoint (the final one is written by _finish)."""
+        the last checkpoint (the final one is written at the end of run())."""
         t = self.cfg.train
         if not self.out_dir or final:
             return False
-        return bool((t.checkpoint_every and self.step % t.checkpoint_every == 0) or
+        return bool((t.checkpoint_every and self.record.step % t.checkpoint_every == 0) or
                     (t.checkpoint_every_s and time.monotonic() - self._last_save >= t.checkpoint_every_s))
 
     # ------------------------------------------------------------------ one step
@@ -278,10 +269,11 @@ class Trainer:
         dt = time.perf_counter() - t0
         self._step_s = dt
         n_tok = plan.effective_batch * x.shape[1]          # x: this rank's rows; a task's length may vary
-        self.step += 1
-        self.tokens += n_tok
+        rec = self.record
+        rec.step += 1
+        rec.tokens += n_tok
         self.step_start = None
-        row = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens, "step_tokens": n_tok,
+        row = {"step": rec.step, "loss": loss, "lr": lr, "tokens": rec.tokens, "step_tokens": n_tok,
                "tok_per_s": n_tok / dt, "step_s": dt, "grad_norm": gnorm,
                "skipped": skipped, "fallbacks": kernels.fallback_count()}
         if self.cfg.debug.leak != "none":
@@ -289,24 +281,10 @@ class Trainer:
         return row
 
     def _set_lr(self) -> float:
-        lr = self.schedule.lr(self.step)
+        lr = self.schedule.lr(self.record.step)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         return lr
-
-    @property
-    def counters(self) -> dict:
-        """Skipped updates: nonfinite_steps, scaler_skipped_steps."""
-        return self.update.counters
-
-    @property
-    def train_seconds(self) -> float:
-        return self.schedule.train_seconds
-
-    @property
-    def stopped_by(self) -> str | None:
-        """After run(): "time" (the budget) or "steps"."""
-        return self.schedule.stopped_by
 
     # ------------------------------------------------------------------ batch plan
     def apply_autotune(self, progress: str | None = None) -> dict:
@@ -314,8 +292,8 @@ class Trainer:
         train with the choice (data parallel: rank 0's, broadcast). Returns the result
         as a dict; raises SonataError when no candidate is eligible."""
         with self._bar(len(self.profile.candidates), "autotune", progress) as bar:
-            self.plan, self.autotune_result = choose_plan(self, progress=bar)
-        return self.autotune_result
+            self.plan, self.record.autotune = choose_plan(self, progress=bar)
+        return self.record.autotune
 
     def _bar(self, total: int, what: str, progress: str | None = None):
         return contextlib.closing(Progress(total, what, self.progress_mode if progress is None else progress))
@@ -343,49 +321,48 @@ class Trainer:
         try:
             return self.evaluate()
         finally:
-            self.eval_seconds += time.perf_counter() - t0
+            self.record.eval_seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ the loop
     def run(self, on_step=None) -> dict:
         """Train until the schedule says the run is over (train.max_steps, or a time budget of
         train.max_seconds of training time: sonata.train.schedule) -> the summary. `on_step(trainer,
         row)` may add fields to each row; train.eval_every stays in steps."""
-        t, sch = self.cfg.train, self.schedule
+        t, sch, rec = self.cfg.train, self.schedule, self.record
         t_start = time.perf_counter()
         with stops.on_lost_peer(self):           # autotuning and DDP's construction talk to the peers too
             self._prepare()
-        self.setup_seconds = time.perf_counter() - t_start       # autotuning, DDP, kernel warm-up
+        rec.setup_seconds = time.perf_counter() - t_start       # autotuning, DDP, kernel warm-up
         metrics = _metrics_log(self) if self.out_dir else None
         tboard = TensorBoardLog(self.out_dir) if metrics and t.tensorboard else None
         speed = Throughput()
         last_eval: EvalResult | None = None
         try:
-            with self._bar(*sch.bar(self.step)) as bar, _StopSignal() as stop, \
+            with self._bar(*sch.bar(rec.step)) as bar, stops.StopSignal() as stop, \
                     stops.on_lost_peer(self):                  # inside: signals are still only flagged
                 self._stop = stop
-                while not sch.finished(self.step):
+                while not sch.finished(rec.step):
                     # one optimizer step inside the memory guard (learning rate from the schedule)
                     row, peak_all, signum = self._guarded_step()
-                    speed.add(row, row["step_tokens"], self.counters["nonfinite_steps"], peak_all)
+                    speed.add(row, row["step_tokens"], rec.counters["nonfinite_steps"], peak_all)
                     # follow memory (the leak detector warns once), then the caller's hook
                     if self.leak.follow(row["mem_bytes"], row["step_tokens"]):
-                        warnings.warn(f"sonata: {self.leak.message()} (step {self.step})", RuntimeWarning,
+                        warnings.warn(f"sonata: {self.leak.message()} (step {rec.step})", RuntimeWarning,
                                       stacklevel=2)
                     if self.leak.enough:
                         row["mem_slope_bytes_per_step"] = self.leak.slope()
                     if on_step is not None:
                         on_step(self, row)
                     # evaluate when due, and after the last step
-                    final = sch.finished(self.step, row)
-                    if (t.eval_every and self.step % t.eval_every == 0) or final:
+                    final = sch.finished(rec.step, row)
+                    if (t.eval_every and rec.step % t.eval_every == 0) or final:
                         last_eval = self._timed_evaluate()
                         row.update(last_eval.fields())
-                    # log: the row to metrics.jsonl (and TensorBoard) when due
-                    self.history.append(row)
-                    due = self.step % t.log_every == 0 or final or "val_loss" in row or row["skipped"]
-                    # a checkpoint carries the row of its step: a resume writes it when the
+                    # log: the row to the record, to metrics.jsonl (and TensorBoard) when due; a
+                    # checkpoint carries a logged row of its step: a resume writes it when the
                     # file lacks it (rank 0 died after the step, a survivor saved)
-                    self._last_row = row if due else None
+                    due = rec.step % t.log_every == 0 or final or "val_loss" in row or row["skipped"]
+                    rec.add(row, logged=due)
                     if metrics and due:
                         metrics.write(row)
                         if tboard:
@@ -399,28 +376,27 @@ class Trainer:
                     if signum is not None:
                         stops.interrupted(self, signum)
         except MemoryBudgetExceeded as e:
-            done = self._last_row
-            if done is not None and done["step"] == self.step and (not self.history or self.history[-1] is not done):
-                speed.add(done, done["step_tokens"], self.counters["nonfinite_steps"],   # a step the check
-                          max(peak_memory_bytes(self.device), done["step_peak_bytes"]))  # after it tripped
-                self.history.append(done)            # counts and is logged too, with every row's fields
-                if metrics:
-                    metrics.write(done)
-            raise stops.memory_tripped(self, e) from None
+            raise stops.memory_tripped(self, e, speed, metrics) from None
         except KeyboardInterrupt:
             # a second Ctrl-C mid-step: the step may be half-applied, so keep the last
             # periodic checkpoint rather than writing this state over it
-            self.emergency_reason = "KeyboardInterrupt"
+            rec.emergency_reason = "KeyboardInterrupt"
             raise
         finally:
             if metrics:
                 metrics.close()
             if tboard:
                 tboard.close()
+        rec.stopped_by = sch.stopped_by
         sch.warn_if_capped()
         with stops.on_lost_peer(self):           # the final evaluation and the peaks are collectives
             inject.exit_point("finish", self.rank)            # test-only; nothing when unset
-            return self._finish(last_eval or self._timed_evaluate(), speed, t_start)
+            last_eval = last_eval or self._timed_evaluate()
+            # the final checkpoint (rank 0), then the summary: its wall time runs from t_start to
+            # after that checkpoint, so it holds every part it lists
+            if self.out_dir and self.is_main:
+                self.save_checkpoint()
+            return write_summary(self, last_eval, speed, time.perf_counter() - t_start)
 
     def _prepare(self) -> None:
         """Before the first step: autotune when asked, the DDP wrapper, clean counters."""
@@ -429,7 +405,7 @@ class Trainer:
         if self.device.type == "cpu":
             steady_cpu_heap()
         release_free_memory(self.device)
-        if t.autotune and not t.fixed_micro_batch and self.autotune_result is None:
+        if t.autotune and not t.fixed_micro_batch and self.record.autotune is None:
             self.apply_autotune()
         if t.max_seconds and self._net is None:        # (a DDP-wrapped model is warm already)
             self.update.warm(self.plan, self.cfg.data.seq_len)
@@ -444,6 +420,7 @@ class Trainer:
         self._stop = None
         self.leak.warned = False
         self._last_save = time.monotonic()
+        self.record.stopped_by = None
         self.schedule.start()
 
     def _guarded_step(self) -> tuple[dict, int, int | None]:
@@ -455,8 +432,8 @@ class Trainer:
         progress = sch.progress() if sch.budgeted else None      # what the step's rate is set from
         row = None
         try:
-            with self.guard.watch(self.step, self._agree if self.world > 1 else None) as watch:
-                row = self._last_row = self.train_step()   # the same dict gains its fields below
+            with self.guard.watch(self.record.step, self._agree if self.world > 1 else None) as watch:
+                row = self.record.last_row = self.train_step()   # the same dict gains its fields below
         except MemoryBudgetExceeded:
             if row is not None:          # the step completed; the check after it tripped: it counts,
                 row["mem_bytes"] = current_bytes(self.device)        # with its readings like any row
@@ -476,16 +453,3 @@ class Trainer:
         step time (the maximum over ranks is the step's training time everywhere)."""
         extra = [*numbers, self._stop.signum or 0, self._step_s] if numbers is not None else []
         return distributed.agree_on_trip(err, extra)
-
-    def _finish(self, last_eval: EvalResult, speed: Throughput, t_start: float) -> dict:
-        """The summary (sonata.train.summary), written with the final checkpoint on rank 0; its wall
-        time runs from `t_start` to after that checkpoint, so it holds every part it lists."""
-        if self.out_dir and self.is_main:
-            self.save_checkpoint()
-        summary = run_summary(self, last_eval, speed, time.perf_counter() - t_start)
-        if self.plan.precision == "int8":
-            summary.update(int8_report(self))
-        if self.out_dir and self.is_main:
-            ckpt.write_atomic(self.out_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode(),
-                              "summary")
-        return summary
