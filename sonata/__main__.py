@@ -129,6 +129,7 @@ def _claim_run_folder(out, resume, force: bool) -> None:
 
 
 def cmd_train(args) -> int:
+    import contextlib
     import os
 
     from sonata.core import checkpoint as ckpt
@@ -145,13 +146,17 @@ def cmd_train(args) -> int:
     except SonataError as e:
         e.agreed = True                      # every rank reads the same file: rank 0 says it
         raise
-    if distributed.restart_count() == 0:     # a restarted worker continues its own launch's run
-        _claim_run_folder(out, args.resume, args.force)
-        # resuming an older copy in its folder: --out branches, --force discards the later state
-        note = ckpt.claim_for_resume(args.resume, state, out, args.force) if state else None
-        if note and int(os.environ.get("RANK", "0") or 0) == 0:
-            print(note, flush=True)
+    distributed.check_launch_id()
     writable_dir(out, "output folder")       # before any work: one error line, not a traceback
+    rank0 = int(os.environ.get("RANK", "0") or 0) == 0
+    # the folder is locked for the whole run, before --force removes anything of another's
+    with ckpt.run_folder_lock(out) if rank0 else contextlib.nullcontext():
+        if distributed.restart_count() == 0:     # a restarted worker continues its own launch's run
+            _claim_run_folder(out, args.resume, args.force)
+            # resuming an older copy in its folder: --out branches, --force discards the later state
+            note = ckpt.claim_for_resume(args.resume, state, out, args.force) if state else None
+            if note and rank0:
+                print(note, flush=True)
     if args.nproc is not None:
         if args.nproc < 1:
             raise SonataError("--nproc must be >= 1")
@@ -162,6 +167,7 @@ def cmd_train(args) -> int:
                    (["--init", args.init] if args.init else []) + \
                    (["--progress", args.progress] if args.progress else []) + list(args.overrides)
             from sonata.launch import launch
+            os.environ[ckpt.RUN_LOCKED_ENV] = str(Path(out).resolve())   # this process holds it
             return launch(args.nproc, argv, max_restarts=max(0, args.max_restarts))
     restarted = distributed.restart_count()
     if restarted and (Path(out) / "checkpoint.pt").exists():

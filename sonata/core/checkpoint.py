@@ -16,6 +16,7 @@ problem.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -129,7 +130,26 @@ def load(path, map_location="cpu") -> dict:
         except ConfigError as e:
             raise CheckpointError(f"checkpoint {path} holds a configuration this version of sonata cannot "
                                   f"use (written by another version?): {e}") from None
+    bad = _bad_vocab(state.get("vocab"))
+    if bad:
+        raise CheckpointError(f"checkpoint {path} holds a vocabulary this version of sonata cannot use: {bad}")
     return state
+
+
+def _bad_vocab(v) -> str | None:
+    """What is wrong with a checkpoint's vocabulary (`Vocab.state_dict()`: kind "o200k_base+bytes"
+    and a 1-D integer tensor of distinct o200k ids), or None (also for a run without one)."""
+    if v is None:
+        return None
+    if not isinstance(v, dict) or v.get("kind") != "o200k_base+bytes":
+        return f"kind {v.get('kind') if isinstance(v, dict) else type(v).__name__!r} (expected 'o200k_base+bytes')"
+    t = v.get("tokens")
+    if not isinstance(t, torch.Tensor) or t.ndim != 1 or t.dtype.is_floating_point or t.dtype.is_complex \
+            or t.dtype == torch.bool:
+        return "its tokens are not a 1-D integer tensor"
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= 2 ** 31 or t.unique().numel() != t.numel()):
+        return "its tokens are not distinct non-negative o200k ids"
+    return None
 
 
 def _check_bytes(path: Path) -> None:
@@ -193,6 +213,57 @@ class MetricsLog:
 
 
 RUN_FILES = ("checkpoint.pt", "metrics.jsonl", "summary.json", "model_int8.pt")
+RUN_LOCK = ".sonata-run.lock"        # held (flock) by the process that runs into the folder
+RUN_LOCKED_ENV = "SONATA_RUN_LOCKED"  # set by a launcher that holds the lock for its workers
+_locks: dict[str, object] = {}        # the open lock files of this process, kept for its life
+
+
+@contextlib.contextmanager
+def run_folder_lock(folder):
+    """An exclusive lock on run folder `folder`, taken on entry and kept for the rest of this
+    process's life (flock: the kernel lets go when the process ends, killed or not, so no
+    stale lock survives it). A second run into the folder fails at once with one line naming
+    the first: its pid, start time and command line, which the holder writes into the lock
+    file once the body (the folder's claim) has passed. A body that raises (a refused run)
+    leaves the folder as it found it: the lock is let go, the file removed if this call made
+    it. A process holding the lock already (or a launcher holding it for its workers,
+    RUN_LOCKED_ENV) passes through."""
+    import fcntl
+    import sys
+    import time
+
+    folder = Path(folder)
+    key = str(folder.resolve())
+    if key in _locks or os.environ.get(RUN_LOCKED_ENV) == key:
+        yield
+        return
+    path = folder / RUN_LOCK
+    made = not path.exists()
+    try:
+        f = open(path, "a+")
+    except OSError as e:
+        raise SonataError(f"--out {folder}: cannot open its lock file {path.name}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        who = f.read().strip() or "a process that has not yet said which"
+        f.close()
+        raise SonataError(f"--out {folder} is in use by another run ({who}): wait for it to end, "
+                          f"or choose another --out") from None
+    try:
+        yield
+    except BaseException:
+        if made:
+            path.unlink(missing_ok=True)
+        f.close()
+        raise
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+            f"python -m sonata {' '.join(sys.argv[1:])}"[:400])
+    f.flush()
+    _locks[key] = f
 
 
 def run_files(folder) -> list[Path]:

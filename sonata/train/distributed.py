@@ -29,12 +29,15 @@ import contextlib
 import datetime
 import math
 import os
+import socket
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from sonata.core.errors import SonataError
 from sonata.train.memory import MemoryBudgetExceeded
 
 DIST_TIMEOUT_S = 60.0          # collectives (and so a dead or stuck peer) time out after this
@@ -109,9 +112,33 @@ def restart_count() -> int:
 
 
 def launch_id() -> str | None:
-    """The identity of this launch of the workers: torchrun's (or `launch`'s) run id, the same
-    for every worker and every restart of one launch; None outside the elastic launcher."""
-    return os.environ.get("TORCHELASTIC_RUN_ID") or None
+    """The identity of this launch of the workers, the same for every worker and every restart
+    of one launch and different for the next launch; None outside the elastic launcher.
+    torchrun's run id where it is one (`--standalone`, sonata's `--nproc` and a bare
+    `torchrun --nproc-per-node N` draw a uuid; `--rdzv-id` is the user's). Plain torchrun with
+    a `--master-port` or a rendezvous endpoint and no `--rdzv-id` names every launch "none":
+    then the launch is its agent, by the folder the agent made for this launch's error files
+    (TORCHELASTIC_ERROR_FILE = <that folder>/attempt_<restart>/<rank>/error.json), or by the
+    agent's host and pid where that variable is missing."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID") or None
+    if run != "none":
+        return run
+    parts = Path(os.environ.get("TORCHELASTIC_ERROR_FILE", "")).parts
+    attempt = [i for i, p in enumerate(parts) if p.startswith("attempt_")]
+    agent = str(Path(*parts[:attempt[-1]])) if attempt and attempt[-1] > 0 else \
+        f"{socket.gethostname()}:{os.getppid()}"
+    return f"none@{agent}"
+
+
+def check_launch_id() -> None:
+    """A launch over several machines named "none" (plain torchrun without `--rdzv-id`) has no
+    identity its machines share (each agent is its own): one error line asking for an id."""
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1") or 1)
+    if os.environ.get("TORCHELASTIC_RUN_ID") == "none" and nodes > 1:
+        raise SonataError(f"a launch over {nodes} machines needs a --rdzv-id of its own (the same on every "
+                          f"machine, new for each launch, e.g. sonata-$(date +%Y%m%d-%H%M)): without one "
+                          f"torchrun names every launch 'none', and a restarted worker could resume another "
+                          f"launch's checkpoint")
 
 
 def context() -> Context:

@@ -130,3 +130,23 @@ def test_an_unreadable_checkpoint_is_called_unreadable_not_corrupt(tmp_path, mon
     with pytest.raises(CheckpointError, match=r"cannot be read \(Permission denied\)") as e:
         ckpt.load(target)
     assert "corrupt" not in str(e.value) and str(target) in str(e.value)
+
+
+@pytest.mark.parametrize("vocab, why", [
+    ({"kind": "gpt2", "tokens": torch.arange(3)}, "kind 'gpt2'"),
+    ("o200k", "kind 'str'"),
+    ({"kind": "o200k_base+bytes", "tokens": torch.rand(3)}, "not a 1-D integer tensor"),
+    ({"kind": "o200k_base+bytes", "tokens": [1, 2]}, "not a 1-D integer tensor"),
+    ({"kind": "o200k_base+bytes", "tokens": torch.tensor([5, -1])}, "not distinct non-negative"),
+    ({"kind": "o200k_base+bytes", "tokens": torch.tensor([5, 5])}, "not distinct non-negative"),
+])
+def test_a_bad_vocabulary_is_refused_naming_the_file(tmp_path, vocab, why):
+    """Before, a checkpoint whose vocabulary was another kind or not a tensor of ids loaded and
+    failed later (a KeyError or AttributeError deep in the trainer, or 'unknown vocabulary
+    kind' naming no file); now the load is one CheckpointError naming the file and the fault."""
+    p = ckpt.save({"format": ckpt.FORMAT, "vocab": vocab}, tmp_path / "c.pt")
+    with pytest.raises(CheckpointError, match=f"checkpoint {p} holds a vocabulary .*: .*{why}"):
+        ckpt.load(p)
+    good = {"kind": "o200k_base+bytes", "tokens": torch.tensor([9, 4, 200_000])}
+    assert torch.equal(ckpt.load(ckpt.save({"format": ckpt.FORMAT, "vocab": good}, tmp_path / "g.pt"))["vocab"]["tokens"],
+                       good["tokens"])

@@ -75,8 +75,9 @@ def test_fast_generate_equals_reference_generate(temperature, top_k):
 
 
 def test_stop_tokens_and_pad_follow_the_rule_on_the_full_generation():
-    """Sampling with stop ids: the same tokens as a run without them, cut once every row has
-    stopped; with `pad`, each row's columns after its first stop id are pad (transformers'
+    """Greedy decoding with stop ids (two ids the greedy rows really produce): the same tokens
+    as a run without them, cut once every row has stopped (or at the full length if a row
+    never does); with `pad`, each row's columns after its first stop id are pad (transformers'
     eos / pad_token_id rule, the one loop sonata.interop.hf_accelerate's generate runs)."""
     from sonata.model.decode import generate
     m = _sonata(seed=15)
@@ -85,10 +86,7 @@ def test_stop_tokens_and_pad_follow_the_rule_on_the_full_generation():
     new = full[:, 5:]
     stops = [int(new[0, 3]), int(new[2, 10])]               # ids the greedy rows really produce
     first = [next((j for j in range(48) if int(new[r, j]) in stops), None) for r in range(3)]
-    if all(f is not None for f in first):
-        end = max(first) + 1
-    else:
-        end = 48
+    end = max(first) + 1 if all(f is not None for f in first) else 48
     got = generate(m, prompt, 48, temperature=0, stop_token=stops)
     assert torch.equal(got, full[:, :5 + end])
     padded = generate(m, prompt, 48, temperature=0, stop_token=stops, pad=0)

@@ -190,3 +190,42 @@ def test_a_restarted_worker_resumes_only_its_own_launchs_checkpoint(tmp_path):
         s = json.loads((folder / "summary.json").read_text())
         assert (s["resumed_from_step"] == 4) is resumed and s["steps"] == 6, (launch, s["resumed_from_step"])
         assert ("resuming from" in r.stdout) is resumed and ("another run" in r.stdout) is not resumed
+
+
+def test_plain_torchrun_launches_are_told_apart(tmp_path):
+    """Issue 42 item 8: plain torchrun (a rendezvous endpoint, no --rdzv-id) names every launch
+    "none", and sonata took that for the launch's identity, so a restarted worker of one launch
+    resumed the checkpoint another launch left in a reused --out. Two real launches now write
+    different identities (the agent's own folder), both marked as torchrun's "none"."""
+    ids = []
+    for i in range(2):
+        out = tmp_path / f"run{i}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "-m", "sonata", "train", "--out", str(out),
+               "--progress", "none", *tiny_overrides(**{"train.max_steps": 2, "train.decay_steps": 2})]
+        r = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+        assert r.returncode == 0, r.stderr[-3000:]
+        ids.append(ckpt.load(out / "checkpoint.pt")["launch_id"])
+    assert all(i.startswith("none@") for i in ids) and ids[0] != ids[1], ids
+
+
+def test_a_launch_named_none_is_one_agent_across_its_restarts(monkeypatch):
+    """The identity of a "none" launch is its agent's folder: the same at every restart (only
+    attempt_<n> changes), another for another agent; over several machines it is refused."""
+    from sonata.core.errors import SonataError
+    from sonata.train import distributed
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    seen = []
+    for agent, attempt in (("torchelastic_a1", 0), ("torchelastic_a1", 1), ("torchelastic_b2", 0)):
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", f"/tmp/{agent}/none_x/attempt_{attempt}/0/error.json")
+        seen.append(distributed.launch_id())
+    assert seen[0] == seen[1] == "none@/tmp/torchelastic_a1/none_x" and seen[2] != seen[0]
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
+    assert distributed.launch_id() == f"none@{__import__('socket').gethostname()}:{os.getppid()}"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "a-uuid")
+    assert distributed.launch_id() == "a-uuid"
+    distributed.check_launch_id()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    with pytest.raises(SonataError, match="over 2 machines needs a --rdzv-id of its own"):
+        distributed.check_launch_id()

@@ -253,3 +253,35 @@ def test_a_new_run_never_overwrites_a_run_folder(tmp_path):
     r = run_cli("train", "model.d_modle=3", cwd=runs)
     _assert_one_error_line(r, "unknown config key 'model.d_modle'")
     assert list(runs.iterdir()) == []                    # no empty runs/<time>/ left behind
+
+
+def test_a_running_run_holds_its_folder(tmp_path):
+    """Issue 42 item 1, the lock: nothing locked the folder, so a second `train --out k --force`
+    removed a running run's files under it. Now the running run holds an exclusive lock: the
+    second fails at once with one line naming the first (its pid), the first's files are
+    untouched and it ends normally; the lock goes with the process (SIGKILL too), and the
+    folder can then be resumed."""
+    out = tmp_path / "k"
+    args = ["train", "--out", str(out), "--progress", "none",
+            *tiny_overrides(**{"train.max_steps": 400, "train.decay_steps": 400, "train.checkpoint_every": 1})]
+    first = subprocess.Popen([sys.executable, "-m", "sonata", *args], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoint.pt").exists() and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.05)
+        assert first.poll() is None, first.communicate()[1][-2000:]
+        rows = len((out / "metrics.jsonl").read_text().splitlines())
+        r = run_cli(*args, "--force")
+        _assert_one_error_line(r, f"--out {out} is in use by another run (pid {first.pid}, started ")
+        assert (out / "checkpoint.pt").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= rows
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    step = ckpt.load(out / "checkpoint.pt")["step"]
+    r = run_cli("train", "--resume", str(out / "checkpoint.pt"), "--progress", "none", f"train.max_steps={step + 2}")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == step + 2
