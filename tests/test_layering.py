@@ -32,7 +32,7 @@ INSIDE = {
               {"autotune", "distributed", "evaluate", "summary", "update", "stops"}, {"trainer"}],
     "interop": [{"hf", "mamba2_ops", "mamba_ssm"}, {"hf_accelerate"}],
     "lab": [{"plots", "peers"}, {"timing", "generate"},
-            {"bench", "throughput", "race", "dynamics", "selection", "ssd"}, {"speed"}, {"notebook"}],
+            {"bench", "throughput", "race", "dynamics", "selection", "ssd"}, {"speed", "recall"}, {"notebook"}],
     "entry": [{"launch"}, {"__main__"}],
 }
 ENTRY_POINTS = {"__main__", "launch"}

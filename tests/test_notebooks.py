@@ -37,10 +37,16 @@ TINY = {
     "06_generate.ipynb": dict(max_new_tokens=20, n_samples=2, fallback_steps=2),
     "07_ten_minute_speedrun.ipynb": dict(budget_s=2, data_source="embedded", configs=["sonata", "gpt2-lr3e-3"],
                                          curve_points=2),
-    "08_selection.ipynb": dict(task_budget_s=2, induction_steps=20, induction_curriculum="8:10,16", long_steps=3,
-                               long_curriculum="32:2,64", long_budget_s=2, archs=["mamba", "lti", "attention"],
+    # copying: more steps than its 1 s cap allows (each copying run stops short and says so)
+    "08_selection.ipynb": dict(task_cap_s=600, induction_steps=20, induction_curriculum="8:10,16", long_steps=3,
+                               long_curriculum="32:2,64", long_cap_s=600, archs=["mamba", "lti", "attention"],
                                ablations=["default-dt", "fixed-64"], test_lengths=[16, 32], long_lengths=[64],
-                               n_test=4, n_long=2, attention_eval_s=5, copy_region=16, copy_budget_s=2),
+                               n_test=4, n_long=2, attention_eval_s=5, copy_region=16, copy_steps=1_000_000,
+                               copy_cap_s=1),
+    "10_recall_and_state.ipynb": dict(mqar_models=["mamba", "mamba2", "mamba3", "attention"], mqar_states=[4, 8],
+                                      mqar_length=16, mqar_vocab=16, mqar_d_model=16, mqar_steps=3,
+                                      track_tasks=["parity", "modsum"], track_length=8, track_lengths=[8, 32],
+                                      track_d_model=16, track_d_state=4, track_steps=3, n_test=4),
     "09_mamba2_ssd.ipynb": dict(duality_length=40, block_length=32, block_chunk=8, lengths=[32, 64],
                                 time_repeat=1, states=[8, 16], cost_length=32, race_steps=3, race_d_model=16,
                                 race_seq_len=16, race_batch=2),
@@ -287,12 +293,39 @@ def test_notebook_08_trains_each_architecture_and_scores_it_by_length(tmp_path):
                  "Mamba after the second phase", "S6 (selective), paper", "state precision",
                  "Mamba, no curriculum: every step at length 64", "delta A/noise, best channel"):
         assert name in text, name
-    assert "second phase: 3 steps" in text
+    assert "second phase: 3 of 3 steps" in text
     assert "selective copying, Mamba (selective):" in text
+    # the induction runs, the second phase and the ablations reached their plan; each copying run
+    # stopped short of its 1,000,000 steps on its 1 s cap, and says so in its row and at the end
+    assert "every run reached its planned steps (3 runs)" in text
+    for name in ("Mamba (selective)", "time-invariant (lti)", "attention (RoPE)"):
+        assert re.search(rf"{re.escape(name)}: stopped short: [\d,]+ of 1,000,000 steps, the 1 s cap", text), name
+    assert "Mamba, second phase" in text and "steps planned" in text
+    for run in ("induction-mamba", "induction-mamba-long", "induction-mamba-fixed-64"):
+        assert json.loads((tmp_path / "run" / run / "summary.json").read_text())["steps"] == (3 if "long" in run else 20)
     assert _images(nb) == 3                      # accuracy by length, delta and write heatmaps
     for run in ("induction-mamba", "induction-lti", "induction-attention", "induction-mamba-long",
                 "induction-mamba-default-dt", "induction-mamba-fixed-64", "copying-mamba"):
         assert (tmp_path / "run" / run / "checkpoint.pt").exists(), run
+
+
+@pytest.mark.notebook
+def test_notebook_10_trains_recall_against_n_and_state_tracking_by_length(tmp_path):
+    nb, text = _run("10_recall_and_state.ipynb", tmp_path)
+    # MQAR: Mamba-1, -2, -3 at N 4 and 8, attention once; 3 steps each, all reached
+    for run in ("mqar-mamba-n4", "mqar-mamba2-n8", "mqar-mamba3-n4", "mqar-attention", "parity-mamba2",
+                "modsum-mamba3-euler", "parity-mamba3-no-rotation"):
+        assert json.loads((tmp_path / "run" / run / "summary.json").read_text())["steps"] == 3, run
+    assert "every run reached its planned steps (7 runs)" in text          # the MQAR table
+    assert "every run reached its planned steps (8 runs)" in text          # state tracking
+    assert "every run reached its planned steps (15 runs)" in text         # the end
+    for line in ("Mamba-2 above Mamba-1 at N=16", "far above Mamba-1 at N=16", "8 (trained)", "32 (4x)",
+                 "Mamba-3, trapezoid off (Euler)", "rotating state cos", "steps planned"):
+        assert line in text, line
+    # N=16 was not run: the claim that needs it says so; the 4x claims are read at 32
+    assert "MQAR, Mamba-2 above Mamba-1 at N=16: not run (-)" in text
+    assert re.search(r"parity, Mamba-3, at 4x the trained length: at least 95%\? (yes|no) \(\d+\.\d%\)", text)
+    assert _images(nb) == 3                     # accuracy against N; parity and modsum by length
 
 
 # ---- parameters: ranges stated, checked, and every value inside them runs
@@ -438,6 +471,8 @@ OUT_OF_RANGE = {
     "09_mamba2_ssd": ("race_models", ["mamba2-n16", "mamba3"], "parameter race_models = ['mamba2-n16', 'mamba3'] "
                       "holds 'mamba3', which is not allowed; allowed: 1 to 4 values, each one of mamba1-n16 | "
                       "mamba2-n16 | mamba2-n64 | hybrid-n64"),
+    "10_recall_and_state": ("mqar_vocab", 16, "parameter mqar_vocab = 16 has too few keys for mqar_length = 64: "
+                            "its mqar_length / 4 pairs need distinct keys, mqar_vocab / 2 - 1 of them"),
     "08_selection": ("long_curriculum", "64,128", "parameter long_curriculum = '64,128' is not length:steps pairs "
                                                   "then a last length; allowed: length:steps pairs, then a last length"),
 }

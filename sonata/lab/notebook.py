@@ -22,6 +22,7 @@ from sonata.core.config import PRESETS, TRAIN_DEFAULTS, make_config, parse_curri
 from sonata.core.errors import ConfigError, SonataError
 from sonata.lab.generate import load_text_model, stream_text
 from sonata.lab.race import STUDY07
+from sonata.lab.recall import RECALL_MODELS, TRACK_MODELS, TRACK_TASKS
 from sonata.lab.ssd import RACE09
 from sonata.train.trainer import Trainer
 
@@ -190,14 +191,15 @@ RANGES = {
         "seed": SEED, "out_dir": Text(),
     },
     "08_selection": {
-        "task_budget_s": Range(1, 7200, float), "induction_steps": Range(1, 1_000_000),
+        "task_cap_s": Range(1, 7200, float), "induction_steps": Range(1, 1_000_000),
         "induction_curriculum": Curriculum(), "long_steps": Range(0, 100_000),
-        "long_curriculum": Curriculum(), "long_budget_s": Range(1, 7200, float),
+        "long_curriculum": Curriculum(), "long_cap_s": Range(1, 7200, float),
         "archs": ListOf(OneOf("mamba", "lti", "attention"), 1, 3),
         "ablations": ListOf(OneOf("default-dt", "fixed-64"), 0, 2),
         "test_lengths": ListOf(Range(16, 1 << 20), 1, 20), "long_lengths": ListOf(Range(16, 1 << 20), 0, 20),
         "n_test": Range(1, 4096), "n_long": Range(1, 4096), "attention_eval_s": Range(1, 86_400, float),
-        "copy_region": Range(16, 8192), "copy_budget_s": Range(1, 7200, float), "seed": SEED, "out_dir": Text(),
+        "copy_region": Range(16, 8192), "copy_steps": Range(1, 1_000_000), "copy_cap_s": Range(1, 7200, float),
+        "seed": SEED, "out_dir": Text(),
     },
     "09_mamba2_ssd": {
         "duality_length": Range(1, 1024), "heads": Range(1, 16), "headdim": Range(1, 256),
@@ -209,6 +211,16 @@ RANGES = {
         "race_models": ListOf(OneOf(*RACE09), 1, len(RACE09)), "race_steps": Range(1, 100_000),
         "race_d_model": Range(2, 1024), "race_layers": Range(2, 16), "race_seq_len": Range(8, 2048),
         "race_batch": Range(1, 64), "seed": SEED,
+    },
+    "10_recall_and_state": {
+        "mqar_models": ListOf(OneOf(*RECALL_MODELS), 1, len(RECALL_MODELS)),
+        "mqar_states": ListOf(Range(4, 256), 1, 4), "mqar_length": Range(8, 1024), "mqar_vocab": Range(8, 8192),
+        "mqar_d_model": OneOf(16, 32, 64, 128, 256), "mqar_steps": Range(1, 1_000_000),
+        "mqar_cap_s": Range(1, 7200, float), "track_tasks": ListOf(OneOf(*TRACK_TASKS), 1, len(TRACK_TASKS)),
+        "track_models": ListOf(OneOf(*TRACK_MODELS), 1, len(TRACK_MODELS)), "track_length": Range(4, 4096),
+        "track_lengths": ListOf(Range(1, 65536), 1, 10), "track_d_model": OneOf(16, 32, 64, 128, 256),
+        "track_d_state": Range(4, 256), "track_steps": Range(1, 1_000_000), "track_cap_s": Range(1, 7200, float),
+        "n_test": Range(1, 4096), "seed": SEED, "out_dir": Text(),
     },
 }
 
@@ -229,6 +241,10 @@ RULES = {
         (("scaling_processes", "effective_batch"), lambda ps, eff: all(eff % p == 0 for p in ps),
          "parameter scaling_processes = {scaling_processes!r} has a process count that does not divide "
          "effective_batch = {effective_batch} (each process trains effective_batch / processes sequences)")],
+    "10_recall_and_state": [
+        (("mqar_vocab", "mqar_length"), lambda v, L: v // 2 - 1 >= L // 4,
+         "parameter mqar_vocab = {mqar_vocab} has too few keys for mqar_length = {mqar_length}: its "
+         "mqar_length / 4 pairs need distinct keys, mqar_vocab / 2 - 1 of them")],
     "09_mamba2_ssd": [
         (("race_models", "race_d_model"), lambda ms, d: d % 2 == 0 or not any(m.startswith("hybrid") for m in ms),
          "parameter race_d_model = {race_d_model} must be even for the hybrid row (attention rotates pairs "

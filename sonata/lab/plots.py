@@ -319,3 +319,26 @@ def form_times(rows: list[dict], title: str = "SSD forward time against sequence
     ax.legend()
     fig.tight_layout()
     return fig
+
+
+def recall_by_state(rows: list[dict], title: str = "MQAR accuracy against state size N"):
+    """MQAR accuracy against the state size N (log2 axis), one line per model (notebook 10);
+    `rows` are sonata.lab.recall.recall_runs' (N '-' for attention: a horizontal line)."""
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    for name in models:
+        pts = sorted((r["N"], r["accuracy"]) for r in rows if r["model"] == name and r["N"] != "-")
+        if pts:
+            ax.plot(*zip(*pts), "o-", ms=5, label=name)
+        for r in rows:
+            if r["model"] == name and r["N"] == "-":
+                ax.axhline(r["accuracy"], color="k", ls="--", lw=1, label=f"{name} (no N)")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("state size N (log2)")
+    ax.set_ylabel("accuracy at the trained length")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -4,8 +4,15 @@ time-invariant ablation (model.arch=lti) and an attention baseline (model.arch=a
 each trained by the same trainer on the same task (sonata.data.tasks).
 
 `RECIPES` holds each run's configuration (config overrides) and says why; `train_task`
-trains one; `length_rows` scores a model per test length; `paper_rows` puts the paper's
+trains one; `length_rows` scores a model per test length; `induction_table` puts the paper's
 figures beside the measured ones. The library returns rows; the notebook writes sentences.
+
+A run's length is its steps (`steps`: the curriculum's step counts and the stage after them),
+the same on any host. A time cap (`cap_s`, 0: none) only ends a run early, and says so: every
+run row has the steps planned and reached, the training seconds and, when the cap stopped it
+short, a note (`short_note`). The cap does not change the learning rate: BASE's rate is
+constant after warm-up (train.min_lr_ratio 1), so a capped run trains the same steps as an
+uncapped one up to where it stops.
 """
 from __future__ import annotations
 
@@ -80,13 +87,15 @@ def copy_curriculum(region: int, steps: int = 3000) -> str:
     return ",".join([f"{r + 16}:{steps}" for r in (32, 64, 128) if r < region] + [str(region + 16)])
 
 
-def run_overrides(task: str, arch: str, budget_s: float, max_steps: int = 0, seed: int = 0,
+def run_overrides(task: str, arch: str, steps: int, cap_s: float = 0.0, seed: int = 0,
                   copy_region: int = 256, curriculum: str | None = None, overrides: dict | None = None) -> dict:
-    """The config overrides of one run: BASE, the recipe, a time budget of `budget_s` seconds
-    (and `max_steps` > 0 as a step cap), the seed; `curriculum` replaces the recipe's
-    (attention keeps its fixed length). Copying trains at copy_region + 16."""
+    """The config overrides of one run: BASE, the recipe, `steps` optimizer steps (the run's
+    length), a time cap of `cap_s` training seconds (0: none), the seed; `curriculum` replaces
+    the recipe's (attention keeps its fixed length). Copying trains at copy_region + 16."""
+    if steps < 1:
+        raise ValueError(f"a run needs at least 1 step, not {steps}")
     o = {**BASE, **RECIPES[(task, arch)], "model.arch": arch, "train.seed": seed,
-         "train.max_seconds": float(budget_s), "train.max_steps": int(max_steps)}
+         "train.max_steps": int(steps), "train.max_seconds": float(cap_s)}
     if curriculum is not None and "task.curriculum" in o:
         o["task.curriculum"] = curriculum
     if task == "copying":
@@ -96,24 +105,50 @@ def run_overrides(task: str, arch: str, budget_s: float, max_steps: int = 0, see
     return o
 
 
-def train_task(task: str, arch: str, budget_s: float, max_steps: int = 0, seed: int = 0,
+def train_task(task: str, arch: str, steps: int, cap_s: float = 0.0, seed: int = 0,
                copy_region: int = 256, curriculum: str | None = None, init=None, name: str | None = None,
                out_dir=None, progress: str | None = None, overrides: dict | None = None):
-    """Train one (task, architecture) run; -> (model in eval mode, summary dict). `init`: a
-    model whose weights the run starts from (a new run: fresh optimizer and sequences).
-    With `out_dir`, the run's folder is out_dir/<name> (default <task>-<arch>: metrics.jsonl,
-    checkpoint.pt, summary.json). `overrides`: more config overrides (dotted keys)."""
-    cfg = make_config(run_overrides(task, arch, budget_s, max_steps, seed, copy_region, curriculum,
-                                    overrides))
+    """Train one (task, architecture) run of `steps` steps (at most `cap_s` training seconds,
+    0: no cap); -> (model in eval mode, summary dict: the trainer's, with `planned_steps`).
+    `init`: a model whose weights the run starts from (a new run: fresh optimizer and
+    sequences). With `out_dir`, the run's folder is out_dir/<name> (default <task>-<arch>:
+    metrics.jsonl, checkpoint.pt, summary.json). `overrides`: more config overrides."""
     folder = Path(out_dir) / (name or f"{task}-{arch}") if out_dir else None
+    return train_steps(run_overrides(task, arch, steps, cap_s, seed, copy_region, curriculum, overrides),
+                       folder, init, progress)
+
+
+def train_steps(overrides: dict, folder=None, init=None, progress: str | None = None):
+    """Train the run of `overrides` (train.max_steps its length, train.max_seconds its cap) into
+    `folder` (None: no files) from `init`'s weights if given; -> (model in eval mode, the
+    trainer's summary with `planned_steps` and `cap_s`)."""
+    cfg = make_config(overrides)
     trainer = Trainer(cfg, folder, progress=progress)
     if init is not None:
         trainer.start_from(init.state_dict())
-    summary = trainer.run()
+    summary = {**trainer.run(), "planned_steps": cfg.train.max_steps, "cap_s": cfg.train.max_seconds}
     model = trainer.model.eval()
     del trainer
     gc.collect()
     return model, summary
+
+
+def short_note(summary: dict) -> str:
+    """'' for a run that reached its planned steps; otherwise the line that says where the
+    time cap stopped it (its results are not the recipe's: rerun with a larger cap)."""
+    planned, steps = summary["planned_steps"], summary["steps"]
+    if steps >= planned:
+        return ""
+    return (f"stopped short: {steps:,} of {planned:,} steps, the {summary['cap_s']:g} s cap "
+            f"({100 * steps / planned:.0f}% of the plan)")
+
+
+def steps_fields(summary: dict) -> dict:
+    """A run's length, as every run row shows it: steps planned and reached, training seconds,
+    what ended it, and the note of a run the cap stopped short."""
+    return {"steps planned": summary["planned_steps"], "steps": summary["steps"],
+            "train s": round(summary["train_seconds"], 1), "stopped by": summary["stopped_by"],
+            "note": short_note(summary)}
 
 
 def length_rows(model, task: str, lengths, n: int, n_long: int, seed: int = 1234,
@@ -194,12 +229,20 @@ def show_tasks(copy_region: int = 256, seed: int = 0) -> str:
     return "\n".join(lines)
 
 
-def run_row(arch: str, summary: dict) -> dict:
-    """A run's line in the training table."""
-    return {"model": NAMES[arch], "params": summary["params"], "steps": summary["steps"],
-            "train s": round(summary["train_seconds"], 1), "stopped by": summary["stopped_by"],
+def run_row(arch: str, summary: dict, name: str | None = None) -> dict:
+    """A run's line in the training table (`name`: the model column, default the arch's)."""
+    return {"model": name or NAMES[arch], "params": summary["params"], **steps_fields(summary),
             "tokens/s": round(summary["tokens"] / summary["train_seconds"]) if summary["train_seconds"] else None,
             "val loss": round(summary["val_loss"], 5), "val accuracy": round(summary["val_acc"], 4)}
+
+
+def short_runs(rows: list[dict]) -> str:
+    """One line per run row the cap stopped short of its plan, or the line that none was."""
+    short = [f"{r['model']}: {r['note']}" for r in rows if r.get("note")]
+    if not short:
+        return f"every run reached its planned steps ({len(rows)} run{'s' * (len(rows) != 1)})"
+    return "\n".join(short + ["(a run stopped short is not the recipe's: its accuracies are lower bounds; "
+                              "raise the cap, or run it on a faster host)"])
 
 
 def _write_strength(model, idx) -> list[torch.Tensor]:
@@ -283,23 +326,22 @@ ABLATIONS = {
 }
 
 
-def ablation_run(name: str, budget_s: float, max_steps: int, seed: int = 0, out_dir=None,
+def ablation_run(name: str, steps: int, cap_s: float = 0.0, seed: int = 0, out_dir=None,
                  progress: str | None = None):
     """Train the Mamba induction recipe with ABLATIONS[name]'s change (fixed-64: data.seq_len
-    64 throughout); -> (model, summary)."""
+    64 throughout) for `steps` steps (at most `cap_s` seconds); -> (model, summary)."""
     _, changes = ABLATIONS[name]
     overrides = dict(changes)
     if name == "fixed-64":
         overrides["data.seq_len"] = 64
-    return train_task("induction", "mamba", budget_s, max_steps=max_steps, seed=seed, out_dir=out_dir,
+    return train_task("induction", "mamba", steps, cap_s, seed=seed, out_dir=out_dir,
                       name=f"induction-mamba-{name}", progress=progress, overrides=overrides)
 
 
 def copy_row(arch: str, summary: dict, row: dict) -> dict:
     """A selective-copying run's line: the accuracy over the answers of the test sequences."""
-    return {"model": NAMES[arch], "params": summary["params"], "steps": summary["steps"],
-            "train s": round(summary["train_seconds"], 1), "sequences": row["sequences"],
-            "accuracy (%)": f"{100 * row['accuracy']:.1f}"}
+    return {"model": NAMES[arch], "params": summary["params"], **steps_fields(summary),
+            "sequences": row["sequences"], "accuracy (%)": f"{100 * row['accuracy']:.1f}"}
 
 
 def paper_copy_rows() -> list[dict]:
