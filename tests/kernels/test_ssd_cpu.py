@@ -11,7 +11,9 @@ against the oracle on the same rounded inputs, 1e-2 (the output is rounded to bf
 with bfloat16 matmul operands forced (what a CPU with native bfloat16 runs), 3e-2, and 0.2
 for dA and ddt_bias, whose cancellation amplifies the operands' rounding. Also: packed sequences equal the sequences run apart, a sequence in pieces equals
 the whole, the decoding step iterated equals the sequence, NaN-poisoned buffers never leak,
-two runs are bit-identical, bad shapes raise ValueError.
+two runs are bit-identical, bad shapes raise ValueError. The CPU path has two forms, the
+fused recurrence (`cpu_recurrent.py`) and the chunked form (`cpu.py`): each of these checks
+runs on both (`form`), and the rule that picks one is tested on its own.
 
 Each random case draws a fresh seed (reproduce one with SONATA_TEST_SEED=<seed>); every
 failure message names it.
@@ -29,6 +31,7 @@ import torch
 from sonata import kernels
 from sonata.kernels import ssd as ssd_pkg
 from sonata.kernels.ssd import cpu as cpu_mod
+from sonata.kernels.ssd import cpu_recurrent
 from sonata.kernels.ssd import ssd, ssd_step, ssd_step_ref
 from sonata.kernels.ssd import step as step_mod
 from sonata.kernels.ssd.cpu import ssd_cpu
@@ -36,6 +39,12 @@ from sonata.kernels.ssd.reference import ssd_recurrent_ref
 
 NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 LOOSE = ("dA", "ddt_bias")   # sums over the whole batch and sequence whose terms cancel
+FORMS = ("recurrent", "chunked")
+
+
+def _form(form):
+    """ssd_cpu pinned to one of its two forms."""
+    return lambda *a, **k: ssd_cpu(*a, form=form, **k)
 
 
 def _seed():
@@ -109,8 +118,9 @@ CASES = [  # b, L, chunk, h, p, g, n, options
 ]
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}-L{c[1]}-Q{c[2]}-h{c[3]}-p{c[4]}-g{c[5]}-n{c[6]}")
-def test_every_output_state_and_gradient_matches_the_float64_recurrence(case):
+def test_every_output_state_and_gradient_matches_the_float64_recurrence(case, form):
     b, L, chunk, h, p, g, n, opt = case
     seed = _seed()
     t = _inputs(seed, b, L, h, p, g, n, D=opt.get("D"), z=opt.get("z", False), bias=opt.get("bias", False),
@@ -118,8 +128,34 @@ def test_every_output_state_and_gradient_matches_the_float64_recurrence(case):
     kw = dict(seq_idx=_packed(b, L, opt["seq"]) if "seq" in opt else None, softplus=opt.get("softplus", False),
               limit=opt.get("limit", (0.0, math.inf)), seed=seed)
     want = _run(ssd_recurrent_ref, t, torch.float64, chunk, **kw)
-    _compare(_run(ssd_cpu, t, torch.float32, chunk, **kw), want, seed, what="cpu fp32")
-    _compare(_run(ssd_cpu, t, torch.float64, chunk, **kw), want, seed, tol=1e-11, loose=1e-8, what="cpu fp64")
+    _compare(_run(_form(form), t, torch.float32, chunk, **kw), want, seed, what=f"cpu {form} fp32")
+    _compare(_run(_form(form), t, torch.float64, chunk, **kw), want, seed, tol=1e-11, loose=1e-8,
+             what=f"cpu {form} fp64")
+
+
+def test_the_recurrence_runs_up_to_its_largest_state_and_the_chunked_form_beyond(monkeypatch):
+    x = torch.zeros(1, 4, 2, 8)
+    for n, form in [(16, "recurrent"), (cpu_mod.RECURRENT_MAX_N, "recurrent"),
+                    (cpu_mod.RECURRENT_MAX_N + 1, "chunked")]:
+        assert cpu_mod.prefer_recurrent(x, torch.zeros(1, 4, 1, n)) == (form == "recurrent"), n
+    ran = []
+    real_rec, real_chunked = cpu_recurrent.ssd_cpu_recurrent, cpu_mod.SSDFunction
+
+    class Chunked:
+        @staticmethod
+        def apply(*a):
+            ran.append("chunked")
+            return real_chunked.apply(*a)
+    monkeypatch.setattr(cpu_recurrent, "ssd_cpu_recurrent", lambda *a: (ran.append("recurrent"), real_rec(*a))[1])
+    monkeypatch.setattr(cpu_mod, "SSDFunction", Chunked)
+    t = {k: v.float() for k, v in _inputs(0, 1, 20, 2, 4, 1, 8).items()}
+    args = [t[k] for k in ("x", "dt", "A", "B", "C")]
+    ssd(*args, 8, backend="cpu")
+    ssd_cpu(*args, 8, block=8)
+    ssd_cpu(*args, 8, form="chunked")
+    assert ran == ["recurrent", "chunked", "chunked"]
+    with pytest.raises(ValueError, match="form"):
+        ssd_cpu(*args, 8, form="parallel")
 
 
 def test_the_block_plans_cover_factored_halved_and_explicit_decays():
@@ -167,20 +203,21 @@ def test_triton_without_a_gpu_or_the_interpreter_falls_back_to_cpu_and_counts(mo
         ssd(*(t[k].float() for k in ("x", "dt", "A", "B", "C")), backend="gpu")
 
 
-def test_packed_sequences_equal_the_sequences_run_apart():
+@pytest.mark.parametrize("form", FORMS)
+def test_packed_sequences_equal_the_sequences_run_apart(form):
     seed = _seed()
     cuts, L = [0, 37, 90, 120], 120
     t = _inputs(seed, 1, L, 4, 8, 2, 16, D="h", z=True, bias=True, init=True)
     f = {k: v.float().requires_grad_() for k, v in t.items()}
     seq = _packed(1, L, cuts[1:-1])
     kw = dict(D=f["D"], dt_bias=f["dt_bias"], dt_softplus=True, return_final_states=True)
-    packed, final = ssd_cpu(f["x"], f["dt"], f["A"], f["B"], f["C"], 32, z=f["z"], seq_idx=seq,
+    packed, final = ssd_cpu(f["x"], f["dt"], f["A"], f["B"], f["C"], 32, z=f["z"], seq_idx=seq, form=form,
                             initial_states=f["initial_states"], **kw)
     gx_packed, = torch.autograd.grad(packed.sum(), f["x"])
     for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
         sl = slice(a, b)
         x = f["x"].detach()[:, sl].clone().requires_grad_()
-        apart, last = ssd_cpu(x, f["dt"][:, sl], f["A"], f["B"][:, sl], f["C"][:, sl], 32, z=f["z"][:, sl],
+        apart, last = ssd_cpu(x, f["dt"][:, sl], f["A"], f["B"][:, sl], f["C"][:, sl], 32, z=f["z"][:, sl], form=form,
                               initial_states=f["initial_states"] if i == 0 else None, **kw)
         gx, = torch.autograd.grad(apart.sum(), x)
         assert _rel(packed[:, sl], apart) < 1e-6, f"piece {i} (seed {seed})"
@@ -188,11 +225,12 @@ def test_packed_sequences_equal_the_sequences_run_apart():
     assert _rel(final, last) < 1e-6, f"final state (seed {seed})"
 
 
-def test_a_long_sequence_in_pieces_equals_the_whole_with_gradients():
+@pytest.mark.parametrize("form", FORMS)
+def test_a_long_sequence_in_pieces_equals_the_whole_with_gradients(form):
     seed = _seed()
     t = _inputs(seed, 2, 500, 2, 16, 1, 16, D="h", bias=True, init=True)
     f = {k: v.float() for k, v in t.items()}
-    kw = dict(D=f["D"], dt_bias=f["dt_bias"], dt_softplus=True, return_final_states=True)
+    kw = dict(D=f["D"], dt_bias=f["dt_bias"], dt_softplus=True, return_final_states=True, form=form)
     x_whole, h_whole = f["x"].clone().requires_grad_(), f["initial_states"].clone().requires_grad_()
     whole, s_whole = ssd_cpu(x_whole, f["dt"], f["A"], f["B"], f["C"], 64, initial_states=h_whole, **kw)
     (whole.sum() + s_whole.square().sum()).backward()
@@ -231,21 +269,24 @@ def test_the_decoding_step_iterated_equals_the_sequence(fused, monkeypatch):
     assert _rel(ys[0], y2) < 1e-6
 
 
-def test_poisoned_buffers_never_reach_an_output(monkeypatch):
+@pytest.mark.parametrize("form", FORMS)
+def test_poisoned_buffers_never_reach_an_output(form, monkeypatch):
     monkeypatch.setattr(cpu_mod, "POISON", True)
     seed = _seed()
     for L, chunk, g in [(65, 16, 2), (64, 64, 1), (7, 4, 1)]:     # padded, exact, tiny blocks
         t = _inputs(seed, 2, L, 4, 8, g, 8, D="h", z=True, bias=True, init=True)
         kw = dict(seq_idx=_packed(2, L, [L // 2]), softplus=True, seed=seed)
-        _compare(_run(ssd_cpu, t, torch.float32, chunk, **kw), _run(ssd_recurrent_ref, t, torch.float64, chunk, **kw),
+        _compare(_run(_form(form), t, torch.float32, chunk, **kw),
+                 _run(ssd_recurrent_ref, t, torch.float64, chunk, **kw),
                  seed, what=f"poisoned L{L}")
 
 
-def test_two_runs_are_bit_identical():
+@pytest.mark.parametrize("form", FORMS)
+def test_two_runs_are_bit_identical(form):
     seed = _seed()
     t = _inputs(seed, 2, 200, 4, 16, 2, 16, D="hp", z=True, bias=True, init=True)
     kw = dict(seq_idx=_packed(2, 200, [77]), softplus=True, seed=seed)
-    one, two = _run(ssd_cpu, t, torch.float32, 64, **kw), _run(ssd_cpu, t, torch.float32, 64, **kw)
+    one, two = _run(_form(form), t, torch.float32, 64, **kw), _run(_form(form), t, torch.float32, 64, **kw)
     for k in one:
         assert torch.equal(one[k], two[k]), f"{k} differs between runs (seed {seed})"
 
@@ -256,39 +297,46 @@ def test_the_fused_passes_equal_the_torch_ops(monkeypatch):
     seed = _seed()
     t = _inputs(seed, 2, 90, 4, 8, 2, 16, D="hp", z=True, bias=True, init=True)
     kw = dict(seq_idx=_packed(2, 90, [33]), softplus=True, seed=seed)
-    fused = _run(ssd_cpu, t, torch.float32, 32, **kw)
+    fused = _run(_form("chunked"), t, torch.float32, 32, **kw)
     monkeypatch.setattr(cpu_mod.cpu_fused, "njit", None)
-    _compare(_run(ssd_cpu, t, torch.float32, 32, **kw), fused, seed, tol=1e-6, loose=1e-5, what="torch passes")
+    _compare(_run(_form("chunked"), t, torch.float32, 32, **kw), fused, seed, tol=1e-6, loose=1e-5, what="torch passes")
 
 
-@pytest.mark.parametrize("mode", ["autocast", "inputs", "bf16-matmuls"])
+@pytest.mark.parametrize("mode", ["autocast", "inputs", "bf16-matmuls", "recurrent-autocast", "recurrent-inputs"])
 def test_bfloat16_runs_against_the_oracle_on_rounded_inputs(mode):
     seed = _seed()
     t = _inputs(seed, 2, 70, 4, 8, 2, 16, D="h", z=True, bias=True, init=True)
     rounded = {k: v.to(torch.bfloat16).double() for k, v in t.items()}
     kw = dict(softplus=True, seed=seed)
     want = _run(ssd_recurrent_ref, rounded, torch.float64, 32, **kw)
+    recurrent = mode.startswith("recurrent")
+    fn = _form("recurrent" if recurrent else "chunked")
+    mode = mode.removeprefix("recurrent-")
     if mode == "autocast":
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            got = _run(ssd_cpu, rounded, torch.float32, 32, **kw)
+            got = _run(fn, rounded, torch.float32, 32, **kw)
     elif mode == "inputs":
-        got = _run(ssd_cpu, rounded, torch.bfloat16, 32, **kw)
+        got = _run(fn, rounded, torch.bfloat16, 32, **kw)
     else:
         got = _run(ssd_cpu, rounded, torch.float32, 32, mm_dtype=torch.bfloat16, **kw)
     if mode == "inputs":
         assert got["out"].dtype == torch.bfloat16 and got["dx"].dtype == torch.bfloat16
-    tol, loose = (3e-2, 0.2) if mode == "bf16-matmuls" else (1e-2, 1e-2)
+    # the chunked form multiplies in bfloat16 where the CPU does so natively (autocast and
+    # bfloat16 inputs too, there); the recurrence computes in float32 on the rounded inputs
+    bf16_mm = mode == "bf16-matmuls" or (not recurrent and cpu_mod.native_bf16())
+    tol, loose = (3e-2, 0.2) if bf16_mm else (1e-2, 1e-2)
     _compare(got, want, seed, tol=tol, loose=loose, what=mode)
 
 
-def test_gradcheck_in_float64():
+@pytest.mark.parametrize("form", FORMS)
+def test_gradcheck_in_float64(form):
     t = _inputs(1, 1, 9, 2, 3, 1, 4, D="h", z=True, bias=True, init=True)
     leaves = [t[k].clone().requires_grad_() for k in NAMES]
     seq = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2]])
 
     def f(x, dt, A, B, C, D, z, bias, h0):
         return ssd_cpu(x, dt, A, B, C, 4, D=D, z=z, dt_bias=bias, initial_states=h0, seq_idx=seq,
-                       dt_softplus=True, return_final_states=True)
+                       dt_softplus=True, return_final_states=True, form=form)
     assert torch.autograd.gradcheck(f, leaves)
 
 

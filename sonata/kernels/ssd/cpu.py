@@ -454,12 +454,36 @@ def matmul_dtype(x, B, C, ct):
     return torch.bfloat16 if wants and ct == torch.float32 and native_bf16() else ct
 
 
+RECURRENT_MAX_N = 128  # the fused recurrence runs up to this d_state (`prefer_recurrent`)
+
+
+def prefer_recurrent(x, B) -> bool:
+    """Whether the fused recurrence (`cpu_recurrent.py`) runs instead of the chunked form.
+    Measured on a 2-core AVX-512 EPYC (benchmarks/ssd.py, docs/kernels.md): forward + backward
+    faster at every benchmark shape, 2-5x, in fp32 and under bf16 autocast, d_state 16-128,
+    headdim 16-64, batch 1-16, L 128-2048. Its work grows as d_inner x N per token where the
+    chunked form's grows as d_inner x (Q + N): above N = 128 (not measured) the chunked form
+    keeps the call. Needs numba."""
+    from sonata.kernels.ssd import cpu_recurrent
+    return cpu_recurrent.available() and B.shape[3] <= RECURRENT_MAX_N
+
+
 def ssd_cpu(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=None, initial_states=None,
             seq_idx=None, dt_softplus=False, dt_limit=(0.0, math.inf), return_final_states=False,
-            block=None, mm_dtype=None):
-    """The fast path of sonata.kernels.ssd.ssd (same arguments and returns). `block` pins the
-    block length and `mm_dtype` the matmul operands' dtype (tests); both default to the
-    module's choice."""
+            block=None, mm_dtype=None, form=None):
+    """The fast path of sonata.kernels.ssd.ssd (same arguments and returns): the fused
+    recurrence or the chunked form, `form` "recurrent" or "chunked", by default
+    `prefer_recurrent`'s choice. `block` pins the chunked form's block length and `mm_dtype`
+    its matmul operands' dtype (tests; either one means the chunked form)."""
+    if form not in (None, "recurrent", "chunked"):
+        raise ValueError(f"ssd_cpu: form must be 'recurrent' or 'chunked', got {form!r}")
+    if form is None:
+        form = ("recurrent" if block is None and mm_dtype is None and prefer_recurrent(x, B)
+                else "chunked")
+    if form == "recurrent":
+        from sonata.kernels.ssd.cpu_recurrent import ssd_cpu_recurrent
+        return ssd_cpu_recurrent(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                                 dt_softplus, dt_limit, return_final_states)
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
     mm = matmul_dtype(x, B, C, ct) if mm_dtype is None else mm_dtype
     limit = (float(dt_limit[0]), float(dt_limit[1]))

@@ -1,0 +1,308 @@
+"""The SSD (Mamba-2) scan on CPU as a fused recurrence: one numba pass forward, one backward,
+for the shapes where it beats the chunked form (`cpu.py`; the rule is `prefer_recurrent`).
+Semantics, shapes and names are `reference.py`'s; the same arguments as `ssd_cpu`.
+
+Per (batch, head), the state S (p, n) steps token by token with one decay per head:
+
+    a_t = exp(dt_t A)  (0 where a packed sequence starts: seq_idx)
+    S_t = a_t S_{t-1} + (dt_t x_t) B_t^T,   y_t = S_t C_t + D x_t,   out_t = y_t silu(z_t)
+
+d_inner x N multiply-adds per token and h exponentials, against the chunked form's ~Q + 2N
+per channel and its dozens of torch ops per call: at small N, short blocks and small
+batches (the seed model) the recurrence is the faster one. The loops over n are the
+vectorized ones (B_t, C_t rows contiguous).
+
+Backward. The adjoint G_t = dLoss/dS_t runs backwards, G_{t-1} = a_t (G_t + dY_t C_t^T)
+with dY the gradient of y before D (times silu(z) with a gate); every gradient is local in
+time from G_t, S_{t-1} and S_t:
+
+    dX_t = (G_t + dY_t C_t^T) B_t           dB_t = sum_heads (G_t + dY_t C_t^T)^T X_t
+    dC_t = sum_heads S_t^T dY_t             da_t = <G_t + dY_t C_t^T, S_{t-1}> a_t
+    dx = dt dX + D dY,  ddt = x . dX + da A,  dA = sum da dt,  dinit = the adjoint at t = -1
+
+(G_t here before step t's own output term is added.) The states are not stored: the forward
+keeps one per T steps (the state a segment starts from, (b, L/T, h, p, n)); the backward
+walks the segments from last to first, recomputes the segment's T states from its
+checkpoint into a per-thread buffer, then runs the reverse step over them (Mamba-1's
+kernels do the same, `sonata/kernels/cpu_scan.py`). T = SEGMENT = 64.
+
+Parallel over (batch, group) work items; an item runs its group's heads one after the
+other, so it owns dB and dC of its (batch, group) rows and adds the heads in a fixed order:
+no atomics, bit-identical reruns whatever the thread count. float32 arithmetic (float64 for
+float64 inputs: gradcheck); bfloat16 inputs or autocast run it in float32 and return x's
+dtype. dt's bias, softplus and clamp and their gradients are `cpu.prepare_dt`'s torch ops.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+try:
+    from numba import njit, prange
+
+    from sonata.kernels import numba_cache
+
+    numba_cache.install()
+except ImportError:         # no numba: the chunked form runs (prefer_recurrent says no)
+    njit = None
+
+from sonata.kernels.ssd.cpu import prepare_dt, prepare_dt_backward
+
+_opts = {"cache": True, "nogil": True, "error_model": "numpy", "parallel": True,
+         "fastmath": {"reassoc", "contract"}}
+_jit = njit(**_opts) if njit is not None else (lambda fn: fn)
+if njit is None:
+    prange = range
+
+SEGMENT = 64    # steps between saved states: the checkpoints hold what the chunked form's block
+               # states hold (L / 64 states); 8-64 measured within noise of each other
+
+
+@_jit
+def _forward(x, dte, A, B, C, starts, init, Dm, z, T, out, ypre, ck, final):
+    """out (and ypre = y before the gate, when z is given), the checkpoints ck and the final
+    state. init (b, h, p, n) or empty; Dm (h, p); z empty without a gate; starts (b, L) int8."""
+    nb, L, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    hg = h // g
+    has_init, gated = init.shape[0] > 0, z.shape[0] > 0
+    for item in prange(nb * g):
+        bi, gi = item // g, item % g
+        S = np.empty((p, n), x.dtype)
+        Xv = np.empty(p, x.dtype)
+        zero = np.zeros(1, x.dtype)[0]                  # typed: an int 0 would widen to float64
+        for hh in range(hg):
+            hd = gi * hg + hh
+            if has_init:
+                for i in range(p):
+                    for j in range(n):
+                        S[i, j] = init[bi, hd, i, j]
+            else:
+                S[:, :] = 0
+            Ah = A[hd]
+            for t in range(L):
+                if t % T == 0:
+                    c = t // T
+                    for i in range(p):
+                        for j in range(n):
+                            ck[bi, c, hd, i, j] = S[i, j]
+                dt = dte[bi, t, hd]
+                a = np.exp(dt * Ah)
+                if starts[bi, t] != 0:
+                    a = zero
+                for i in range(p):
+                    Xv[i] = dt * x[bi, t, hd, i]
+                for i in range(p):
+                    Xi = Xv[i]
+                    acc = zero
+                    for j in range(n):
+                        s = a * S[i, j] + Xi * B[bi, t, gi, j]
+                        S[i, j] = s
+                        acc += s * C[bi, t, gi, j]
+                    y = acc + Dm[hd, i] * x[bi, t, hd, i]
+                    if gated:
+                        ypre[bi, t, hd, i] = y
+                        zz = z[bi, t, hd, i]
+                        out[bi, t, hd, i] = y * zz / (1.0 + np.exp(-zz))
+                    else:
+                        out[bi, t, hd, i] = y
+            for i in range(p):
+                for j in range(n):
+                    final[bi, hd, i, j] = S[i, j]
+
+
+@_jit
+def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T,
+              dx, ddte, dAp, dB, dC, dDp, dz, dinit):
+    """Gradients: dx, ddte (of the prepared dt), dAp (b, h) partials of dA, dB and dC
+    (written whole), dDp (b, h, p) partials of D per channel, dz (gated), dinit (b, h, p, n).
+    dfinal (b, h, p, n) or empty."""
+    nb, L, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    hg = h // g
+    nck = ck.shape[1]
+    has_df, gated = dfinal.shape[0] > 0, z.shape[0] > 0
+    for item in prange(nb * g):
+        bi, gi = item // g, item % g
+        buf = np.empty((T + 1, p, n), x.dtype)          # a segment's states, S_{t0-1} first
+        Gs = np.empty((p, n), x.dtype)                  # the adjoint
+        av = np.empty(T, x.dtype)
+        Xv = np.empty(p, x.dtype)
+        dyv = np.empty(p, x.dtype)
+        dBt = np.empty(n, x.dtype)
+        dCt = np.empty(n, x.dtype)
+        zero = np.zeros(1, x.dtype)[0]
+        for t in range(L):
+            for j in range(n):
+                dB[bi, t, gi, j] = 0
+                dC[bi, t, gi, j] = 0
+        for hh in range(hg):
+            hd = gi * hg + hh
+            Ah = A[hd]
+            if has_df:
+                for i in range(p):
+                    for j in range(n):
+                        Gs[i, j] = dfinal[bi, hd, i, j]
+            else:
+                Gs[:, :] = 0
+            for i in range(p):
+                dDp[bi, hd, i] = 0
+            dA_acc = 0.0
+            for c in range(nck - 1, -1, -1):
+                t0 = c * T
+                t1 = min(L, t0 + T)
+                for i in range(p):
+                    for j in range(n):
+                        buf[0, i, j] = ck[bi, c, hd, i, j]
+                for t in range(t0, t1):                 # recompute the segment's states
+                    k = t - t0
+                    dt = dte[bi, t, hd]
+                    a = np.exp(dt * Ah)
+                    if starts[bi, t] != 0:
+                        a = zero
+                    av[k] = a
+                    for i in range(p):
+                        Xi = dt * x[bi, t, hd, i]
+                        for j in range(n):
+                            buf[k + 1, i, j] = a * buf[k, i, j] + Xi * B[bi, t, gi, j]
+                for t in range(t1 - 1, t0 - 1, -1):     # the reverse step
+                    k = t - t0
+                    dt = dte[bi, t, hd]
+                    a = av[k]
+                    for i in range(p):
+                        xi = x[bi, t, hd, i]
+                        Xv[i] = dt * xi
+                        go = dout[bi, t, hd, i]
+                        if gated:
+                            zz = z[bi, t, hd, i]
+                            sg = 1.0 / (1.0 + np.exp(-zz))
+                            dz[bi, t, hd, i] = go * ypre[bi, t, hd, i] * sg * (1.0 + zz * (1.0 - sg))
+                            dyv[i] = go * zz * sg
+                        else:
+                            dyv[i] = go
+                        dDp[bi, hd, i] += dyv[i] * xi
+                    for j in range(n):
+                        dBt[j] = 0
+                        dCt[j] = 0
+                    da = zero
+                    ddt = zero
+                    for i in range(p):
+                        dyi, Xi = dyv[i], Xv[i]
+                        accx = zero
+                        for j in range(n):
+                            gs = Gs[i, j] + dyi * C[bi, t, gi, j]
+                            dCt[j] += buf[k + 1, i, j] * dyi
+                            accx += gs * B[bi, t, gi, j]
+                            dBt[j] += gs * Xi
+                            da += gs * buf[k, i, j]
+                            Gs[i, j] = gs * a
+                        dx[bi, t, hd, i] = dt * accx + Dm[hd, i] * dyi
+                        ddt += x[bi, t, hd, i] * accx
+                    for j in range(n):
+                        dB[bi, t, gi, j] += dBt[j]
+                        dC[bi, t, gi, j] += dCt[j]
+                    da = da * a
+                    ddte[bi, t, hd] = ddt + da * Ah
+                    dA_acc += da * dt
+            dAp[bi, hd] = dA_acc
+            for i in range(p):
+                for j in range(n):
+                    dinit[bi, hd, i, j] = Gs[i, j]
+
+
+def available() -> bool:
+    return njit is not None
+
+
+def _np(t):
+    return t.detach().contiguous().numpy()
+
+
+def _empty(ct, ndim):
+    return np.empty((0,) * ndim, dtype=np.float32 if ct == torch.float32 else np.float64)
+
+
+def _threads():
+    from sonata.kernels.cpu import _set_threads   # torch's thread count for numba's pool
+    _set_threads()
+
+
+def _starts(seq_idx, b, L):
+    s = torch.zeros(b, L, dtype=torch.int8)
+    if seq_idx is not None and L > 1:
+        s[:, 1:] = (seq_idx[:, 1:] != seq_idx[:, :-1]).to(torch.int8)
+    return s.numpy()
+
+
+class SSDRecurrentFunction(torch.autograd.Function):
+    """out, final = SSDRecurrentFunction.apply(x, dt, A, B, C, D, z, dt_bias, init, seq_idx,
+    opts) with opts = (softplus, limit). Saves the inputs, the checkpoints and (with z) y
+    before the gate."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, z, dt_bias, init, seq_idx, opts):
+        softplus, limit = opts
+        ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+        b, L, h, p = x.shape
+        n = B.shape[3]
+        with torch.autocast("cpu", enabled=False):
+            dte = prepare_dt(dt.to(ct), None if dt_bias is None else dt_bias.to(ct), softplus, limit)
+            Dm = (torch.zeros(h, p, dtype=ct) if D is None
+                  else D.to(ct).reshape(h, -1).expand(h, p)).contiguous()
+        T = SEGMENT
+        xs, Bs, Cs = _np(x.to(ct)), _np(B.to(ct)), _np(C.to(ct))
+        zs = _empty(ct, 4) if z is None else _np(z.to(ct))
+        starts = _starts(seq_idx, b, L)
+        out = np.empty_like(xs)
+        ypre = np.empty_like(xs) if z is not None else _empty(ct, 4)
+        ck = np.empty((b, -(-L // T), h, p, n), xs.dtype)
+        final = np.empty((b, h, p, n), xs.dtype)
+        _threads()
+        _forward(xs, _np(dte), _np(A.to(ct)), Bs, Cs, starts,
+                 _empty(ct, 4) if init is None else _np(init.to(ct)), _np(Dm), zs, T, out, ypre, ck, final)
+        ctx.opts, ctx.T, ctx.starts = opts, T, starts
+        ctx.arrays = (xs, _np(dte), Bs, Cs, zs, ypre, ck, _np(Dm))
+        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, init)
+        return torch.from_numpy(out).to(x.dtype), torch.from_numpy(final)
+
+    @staticmethod
+    def backward(ctx, dout, dfinal):
+        x, dt, A, B, C, D, z, dt_bias, init = ctx.saved_tensors
+        xs, dte, Bs, Cs, zs, ypre, ck, Dm = ctx.arrays
+        softplus, limit = ctx.opts
+        ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+        b, L, h, p = x.shape
+        n = B.shape[3]
+        go = np.zeros_like(xs) if dout is None else _np(dout.to(ct))
+        df = _empty(ct, 4) if dfinal is None else _np(dfinal.to(ct))
+        dx, dz = np.empty_like(xs), (np.empty_like(xs) if z is not None else _empty(ct, 4))
+        ddte, dAp = np.empty(dte.shape, xs.dtype), np.empty((b, h), xs.dtype)
+        dB, dC = np.empty_like(Bs), np.empty_like(Cs)
+        dDp, dinit = np.empty((b, h, p), xs.dtype), np.empty((b, h, p, n), xs.dtype)
+        _threads()
+        _backward(xs, dte, _np(A.to(ct)), Bs, Cs, ctx.starts, Dm, zs, ypre, go, df, ck, ctx.T,
+                  dx, ddte, dAp, dB, dC, dDp, dz, dinit)
+        T = torch.from_numpy
+        with torch.autocast("cpu", enabled=False):
+            ddt, ddt_bias = prepare_dt_backward(T(ddte), dt.to(ct), None if dt_bias is None else dt_bias.to(ct),
+                                                softplus, limit)
+            dD = None
+            if D is not None:
+                dDc = T(dDp).sum(0)                                        # (h, p)
+                dD = (dDc.sum(1) if D.dim() == 1 else dDc).to(D.dtype)
+            dA = T(dAp).to(torch.float64).sum(0).to(A.dtype)
+        return (T(dx).to(x.dtype), ddt.to(dt.dtype), dA, T(dB).to(B.dtype), T(dC).to(C.dtype), dD,
+                None if z is None else T(dz).to(z.dtype),
+                None if dt_bias is None else ddt_bias.to(dt_bias.dtype),
+                None if init is None else T(dinit).to(init.dtype), None, None)
+
+
+def ssd_cpu_recurrent(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=None, initial_states=None,
+                      seq_idx=None, dt_softplus=False, dt_limit=(0.0, math.inf), return_final_states=False):
+    """The fused recurrence (module docstring); ssd_cpu's arguments (chunk_size is ignored)."""
+    limit = (float(dt_limit[0]), float(dt_limit[1]))
+    out, final = SSDRecurrentFunction.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx,
+                                            (bool(dt_softplus), limit))
+    return (out, final) if return_final_states else out
