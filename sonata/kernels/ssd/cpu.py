@@ -71,6 +71,7 @@ import torch
 import torch.nn.functional as F
 
 from sonata.kernels.ssd import cpu_fused
+from sonata.kernels.ssd.cpu_fused import prepare_dt, prepare_dt_backward
 from sonata.kernels.ssd.reference import boundaries
 
 BLOCK = 64          # the preferred block length on CPU (the quadratic part costs ~Q per step)
@@ -138,28 +139,6 @@ class Blocks:
         if heads:
             return v.reshape(b, self.L, g * rest[0], *rest[1:]) if rest else v.reshape(b, self.L, g)
         return v
-
-
-def prepare_dt(dt, dt_bias, softplus, limit):
-    """The recurrence's step sizes (reference.prepare_dt) in the arithmetic dtype."""
-    v = dt if dt_bias is None else dt + dt_bias.to(dt.dtype)
-    if softplus:
-        v = torch.where(v <= 20.0, F.softplus(v), v)
-    lo, hi = limit
-    return v.clamp(min=lo, max=hi) if (lo > 0.0 or hi < math.inf) else v
-
-
-def prepare_dt_backward(ddte, dt, dt_bias, softplus, limit):
-    """Gradient of prepare_dt: (ddt, ddt_bias)."""
-    v = dt if dt_bias is None else dt + dt_bias.to(dt.dtype)
-    g = ddte
-    lo, hi = limit
-    if lo > 0.0 or hi < math.inf:
-        sp = torch.where(v <= 20.0, F.softplus(v), v) if softplus else v
-        g = g * ((sp >= lo) & (sp <= hi)).to(g.dtype)
-    if softplus:
-        g = g * torch.where(v <= 20.0, torch.sigmoid(v), torch.ones_like(v))
-    return g, (None if dt_bias is None else g.sum((0, 1)))
 
 
 def decay_range(a64, Q):

@@ -10,6 +10,8 @@ that runs in float64 and where numba is missing; the tests compare the two.
               x . raw_s,  x . raw_e
 
 (raw_o = C S0, raw_y = G (f o X), raw_s = G^T (e o dY), raw_e = B dE; cpu.py's notation.)
+`prepare_dt` and `prepare_dt_backward` (torch ops) are dt's bias, softplus and clamp and their
+gradient, shared by both CPU forms (cpu.py, cpu_recurrent.py).
 The kernels see cpu.py's blocked tensors as rows: (R hg, p) per channel and (R hg,) per
 position and head, R = b g nc Q; row r belongs to group (r // (nc Q)) % g, whose D rows are
 passed as (g hg, p). The gate's sigmoid comes from torch (a vectorized exp). Single-threaded:
@@ -17,6 +19,8 @@ the passes are memory-bound, and a numba thread pool beside torch's spins on the
 matrix multiplies need. Compiled on first use and cached on disk (numba_cache conventions).
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -234,3 +238,25 @@ def epilogue(su, raw_s, raw_e, dYb, Gd):
     if su.Dv is not None:
         dx.addcmul_(dYb, su.Dv)
     return dx, _dot(xb, raw_s), _dot(xb, raw_e)
+
+
+def prepare_dt(dt, dt_bias, softplus, limit):
+    """The recurrence's step sizes (reference.prepare_dt) in the arithmetic dtype."""
+    v = dt if dt_bias is None else dt + dt_bias.to(dt.dtype)
+    if softplus:
+        v = torch.where(v <= 20.0, F.softplus(v), v)
+    lo, hi = limit
+    return v.clamp(min=lo, max=hi) if (lo > 0.0 or hi < math.inf) else v
+
+
+def prepare_dt_backward(ddte, dt, dt_bias, softplus, limit):
+    """Gradient of prepare_dt: (ddt, ddt_bias)."""
+    v = dt if dt_bias is None else dt + dt_bias.to(dt.dtype)
+    g = ddte
+    lo, hi = limit
+    if lo > 0.0 or hi < math.inf:
+        sp = torch.where(v <= 20.0, F.softplus(v), v) if softplus else v
+        g = g * ((sp >= lo) & (sp <= hi)).to(g.dtype)
+    if softplus:
+        g = g * torch.where(v <= 20.0, torch.sigmoid(v), torch.ones_like(v))
+    return g, (None if dt_bias is None else g.sum((0, 1)))

@@ -30,7 +30,7 @@ Parallel over (batch, group) work items; an item runs its group's heads one afte
 other, so it owns dB and dC of its (batch, group) rows and adds the heads in a fixed order:
 no atomics, bit-identical reruns whatever the thread count. float32 arithmetic (float64 for
 float64 inputs: gradcheck); bfloat16 inputs or autocast run it in float32 and return x's
-dtype. dt's bias, softplus and clamp and their gradients are `cpu.prepare_dt`'s torch ops.
+dtype. dt's bias, softplus and clamp and their gradients are `cpu_fused.prepare_dt`'s torch ops.
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 try:
+    import numba
     from numba import njit, prange
 
     from sonata.kernels import numba_cache
@@ -48,7 +49,7 @@ try:
 except ImportError:         # no numba: the chunked form runs (prefer_recurrent says no)
     njit = None
 
-from sonata.kernels.ssd.cpu import prepare_dt, prepare_dt_backward
+from sonata.kernels.ssd.cpu_fused import prepare_dt, prepare_dt_backward
 
 _opts = {"cache": True, "nogil": True, "error_model": "numpy", "parallel": True,
          "fastmath": {"reassoc", "contract"}}
@@ -225,8 +226,11 @@ def _empty(ct, ndim):
 
 
 def _threads():
-    from sonata.kernels.cpu import _set_threads   # torch's thread count for numba's pool
-    _set_threads()
+    """numba's pool at torch's thread count (sonata.kernels.cpu does the same for Mamba-1's
+    kernels; that module sits a layer above this one)."""
+    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
 
 
 def _starts(seq_idx, b, L):
