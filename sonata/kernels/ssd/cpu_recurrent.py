@@ -95,13 +95,15 @@ def _forward(x, dte, A, B, C, starts, init, Dm, z, T, out, ypre, ck, final):
                     a = zero
                 for i in range(p):
                     Xv[i] = dt * x[bi, t, hd, i]
+                Bt, Ct = B[bi, t, gi], C[bi, t, gi]         # rows: the loops over n vectorize
                 for i in range(p):
                     Xi = Xv[i]
+                    Si = S[i]
                     acc = zero
                     for j in range(n):
-                        s = a * S[i, j] + Xi * B[bi, t, gi, j]
-                        S[i, j] = s
-                        acc += s * C[bi, t, gi, j]
+                        s = a * Si[j] + Xi * Bt[j]
+                        Si[j] = s
+                        acc += s * Ct[j]
                     y = acc + Dm[hd, i] * x[bi, t, hd, i]
                     if gated:
                         ypre[bi, t, hd, i] = y
@@ -164,10 +166,12 @@ def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T,
                     if starts[bi, t] != 0:
                         a = zero
                     av[k] = a
+                    Bt = B[bi, t, gi]
                     for i in range(p):
                         Xi = dt * x[bi, t, hd, i]
+                        prev, new = buf[k, i], buf[k + 1, i]
                         for j in range(n):
-                            buf[k + 1, i, j] = a * buf[k, i, j] + Xi * B[bi, t, gi, j]
+                            new[j] = a * prev[j] + Xi * Bt[j]
                 for t in range(t1 - 1, t0 - 1, -1):     # the reverse step
                     k = t - t0
                     dt = dte[bi, t, hd]
@@ -189,16 +193,18 @@ def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T,
                         dCt[j] = 0
                     da = zero
                     ddt = zero
+                    Bt, Ct = B[bi, t, gi], C[bi, t, gi]
                     for i in range(p):
                         dyi, Xi = dyv[i], Xv[i]
+                        Gi, prev, cur = Gs[i], buf[k, i], buf[k + 1, i]
                         accx = zero
                         for j in range(n):
-                            gs = Gs[i, j] + dyi * C[bi, t, gi, j]
-                            dCt[j] += buf[k + 1, i, j] * dyi
-                            accx += gs * B[bi, t, gi, j]
+                            gs = Gi[j] + dyi * Ct[j]
+                            dCt[j] += cur[j] * dyi
+                            accx += gs * Bt[j]
                             dBt[j] += gs * Xi
-                            da += gs * buf[k, i, j]
-                            Gs[i, j] = gs * a
+                            da += gs * prev[j]
+                            Gi[j] = gs * a
                         dx[bi, t, hd, i] = dt * accx + Dm[hd, i] * dyi
                         ddt += x[bi, t, hd, i] * accx
                     for j in range(n):
