@@ -63,13 +63,28 @@ def recall_overrides(model: str, d_state: int, steps: int, cap_s: float = 0.0, l
             "train.max_steps": int(steps), "train.max_seconds": float(cap_s)}
 
 
+# State tracking's curriculum: TRACK_STAGE_STEPS steps at each of 1/8, 1/4 and 1/2 of the
+# trained length, then the trained length to the end. Measured (parity, Mamba-3, length 64, lr
+# 3e-3): trained at 64 from the start, 600 steps left it at chance; on this curriculum the
+# loss fell near 0 between steps 1,400 and 1,500 (sonata/lab/recall.py's probes, issue 40).
+TRACK_STAGE_STEPS = 300
+
+
+def track_curriculum(length: int) -> str:
+    """'L/8:300,L/4:300,L/2:300,L' (the stages shorter than 2 left out)."""
+    stages = [f"{length // k}:{TRACK_STAGE_STEPS}" for k in (8, 4, 2) if length // k >= 2]
+    return ",".join(stages + [str(length)])
+
+
 def track_overrides(task: str, model: str, steps: int, cap_s: float = 0.0, length: int = 64,
                     d_model: int = 32, d_state: int = 16, seed: int = 0) -> dict:
-    """One state-tracking run's config overrides: 1 layer, trained at `length` with the loss at
-    every position (task.running: the answer of every prefix; the score stays the last's)."""
+    """One state-tracking run's config overrides: 1 layer, trained on `track_curriculum(length)`
+    with the loss at every position (task.running: the answer of every prefix; the score stays
+    the last position's); validated at `length`."""
     return {**BASE, **TRACK_TASKS[task], **MODELS[model][1], "task.running": True, "data.seq_len": length,
-            "model.n_layers": 1, "model.d_model": d_model, "model.d_state": d_state, "train.seed": seed,
-            "train.max_steps": int(steps), "train.max_seconds": float(cap_s)}
+            "task.curriculum": track_curriculum(length), "model.n_layers": 1, "model.d_model": d_model,
+            "model.d_state": d_state, "train.seed": seed, "train.max_steps": int(steps),
+            "train.max_seconds": float(cap_s)}
 
 
 def _folder(out_dir, name: str):

@@ -25,10 +25,17 @@ def test_a_tracking_run_trains_every_prefix_at_one_length(task, model):
     cfg = make_config(recall.track_overrides(task, model, 50, 0.0, length=32, d_model=16, d_state=8))
     assert (cfg.task.name, cfg.task.running, cfg.data.seq_len, cfg.model.n_layers) == (task, True, 32, 1)
     assert (cfg.train.max_steps, cfg.train.max_seconds) == (50, 0.0)
+    assert cfg.task.curriculum == "4:300,8:300,16:300,32"
     m = cfg.model
     assert m.arch == model.split("-")[0]
     assert (m.rope_fraction == 0.0) == (model == "mamba3-no-rotation")
     assert m.trapezoid == (model != "mamba3-euler")
+
+
+def test_the_tracking_curriculum_leaves_out_stages_shorter_than_two():
+    assert recall.track_curriculum(64) == "8:300,16:300,32:300,64"
+    assert recall.track_curriculum(4) == "2:300,4"
+    make_config({"task.name": "parity", "data.seq_len": 4, "task.curriculum": recall.track_curriculum(4)})
 
 
 def _summary(planned, steps, cap=0.0, seconds=12.34):
