@@ -7,7 +7,10 @@ readable chunked reference and sonata's Mamba-1 scan; and the decoding step.
 Table 1, per shape and precision (fp32, or bf16 = torch.autocast("cpu", torch.bfloat16) around
 fp32 inputs), milliseconds per call (median over interleaved rounds; `f+b speed-up` is the
 median of the per-round ratios transformers / sonata, each round's calls seconds apart):
-  sonata        sonata.kernels.ssd.ssd(..., backend="cpu"): forward, and forward+backward
+  sonata        sonata.kernels.ssd.ssd(..., backend="cpu"): forward, and forward+backward;
+                `form` names which of its two forms the rule picked (ssd.cpu.prefer_recurrent:
+                the fused recurrence up to N = 128, the chunked form beyond)
+  sonata chunked  the chunked form pinned (ssd_cpu(..., form="chunked")), f+b
   transformers  transformers' own torch path for Mamba-2, `mamba2_chunk_scan` of
                 transformers.models.mamba2.modeling_mamba2 (the function behind Mamba2Mixer's
                 chunked forward, called unwrapped so no hub kernel can stand in for it)
@@ -59,6 +62,7 @@ from _common import print_table
 
 from sonata.kernels import selective_scan
 from sonata.kernels.ssd import ssd, ssd_step, ssd_step_ref
+from sonata.kernels.ssd.cpu import prefer_recurrent, ssd_cpu
 from sonata.kernels.ssd.reference import ssd_chunked_ref
 
 # name, batch, L, d_inner (= 2 d_model), headdim, N, chunk
@@ -73,7 +77,7 @@ SHAPES = [
     ("mamba2-130m layer", 1, 2048, 1536, 64, 128, 256),
 ]
 QUICK = [0, 2, 6]
-IMPLS = ("sonata", "transformers", "chunked ref", "mamba-1")
+IMPLS = ("sonata", "sonata chunked", "transformers", "chunked ref", "mamba-1")
 
 
 def cpu_line() -> str:
@@ -110,6 +114,8 @@ def callers(chunk):
     kw = lambda t: dict(D=t["D"], dt_bias=t["dt_bias"], dt_softplus=True)
     return {
         "sonata": lambda t: ssd(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk, backend="cpu", **kw(t)),
+        "sonata chunked": lambda t: ssd_cpu(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk, form="chunked",
+                                            **kw(t)),
         "transformers": lambda t: tf_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk, **kw(t)),
         "chunked ref": lambda t: ssd_chunked_ref(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk, **kw(t)),
         "mamba-1": lambda t: selective_scan(t["u"], t["delta"], t["A"], t["B"], t["C"], t["D"],
@@ -174,7 +180,9 @@ def bench_shape(shape, dtype, rounds, budget_s):
     diff = ((outs["sonata"].double() - ref).norm() / ref.norm()).item()
     fb = ms["sonata", True]
     speedup = statistics.median(t / s for t, s in zip(times["transformers", True], times["sonata", True]))
-    return [f"{name}, {b}x{L}", dtype, f"{ms['sonata', False]:.1f}", f"{fb:.1f}", f"{b * L / fb * 1e3:,.0f}",
+    form = "recurrent" if prefer_recurrent(ssm["x"], ssm["B"]) else "chunked"
+    return [f"{name}, {b}x{L}", dtype, form, f"{ms['sonata', False]:.1f}", f"{fb:.1f}", f"{b * L / fb * 1e3:,.0f}",
+            f"{ms['sonata chunked', True]:.1f}",
             f"{ms['transformers', False]:.1f}", f"{ms['transformers', True]:.1f}",
             f"{speedup:.1f}x", f"{ms['chunked ref', True]:.1f}", f"{ms['mamba-1', True]:.1f}",
             f"{mem['sonata']} / {mem['transformers']}", f"{diff:.1e}"]
@@ -287,7 +295,8 @@ def main(argv=None):
         rows.append(bench_shape(shape, dtype, args.rounds, args.budget_s))
         print("  done:", rows[-1][0], dtype, file=sys.stderr, flush=True)
     if plan:
-        print_table(["shape, batch x L", "dtype", "sonata fwd ms", "sonata f+b ms", "sonata f+b tok/s",
+        print_table(["shape, batch x L", "dtype", "form", "sonata fwd ms", "sonata f+b ms", "sonata f+b tok/s",
+                     "sonata chunked f+b ms",
                      "transformers fwd ms", "transformers f+b ms", "f+b speed-up", "chunked ref f+b ms",
                      "mamba-1 f+b ms", "peak MiB sonata / transformers", "max diff"], rows,
                     title=f"SSD scan, median of up to {args.rounds} interleaved rounds after a warm-up; "

@@ -77,18 +77,13 @@ def _forward(x, dte, A, B, C, starts, init, Dm, z, T, out, ypre, ck, final):
         for hh in range(hg):
             hd = gi * hg + hh
             if has_init:
-                for i in range(p):
-                    for j in range(n):
-                        S[i, j] = init[bi, hd, i, j]
+                S[:, :] = init[bi, hd]
             else:
                 S[:, :] = 0
             Ah = A[hd]
             for t in range(L):
                 if t % T == 0:
-                    c = t // T
-                    for i in range(p):
-                        for j in range(n):
-                            ck[bi, c, hd, i, j] = S[i, j]
+                    ck[bi, t // T, hd] = S
                 dt = dte[bi, t, hd]
                 a = np.exp(dt * Ah)
                 if starts[bi, t] != 0:
@@ -111,9 +106,7 @@ def _forward(x, dte, A, B, C, starts, init, Dm, z, T, out, ypre, ck, final):
                         out[bi, t, hd, i] = y * zz / (1.0 + np.exp(-zz))
                     else:
                         out[bi, t, hd, i] = y
-            for i in range(p):
-                for j in range(n):
-                    final[bi, hd, i, j] = S[i, j]
+            final[bi, hd] = S
 
 
 @_jit
@@ -145,9 +138,7 @@ def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T,
             hd = gi * hg + hh
             Ah = A[hd]
             if has_df:
-                for i in range(p):
-                    for j in range(n):
-                        Gs[i, j] = dfinal[bi, hd, i, j]
+                Gs[:, :] = dfinal[bi, hd]
             else:
                 Gs[:, :] = 0
             for i in range(p):
@@ -156,9 +147,7 @@ def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T,
             for c in range(nck - 1, -1, -1):
                 t0 = c * T
                 t1 = min(L, t0 + T)
-                for i in range(p):
-                    for j in range(n):
-                        buf[0, i, j] = ck[bi, c, hd, i, j]
+                buf[0] = ck[bi, c, hd]
                 for t in range(t0, t1):                 # recompute the segment's states
                     k = t - t0
                     dt = dte[bi, t, hd]
@@ -214,9 +203,7 @@ def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T,
                     ddte[bi, t, hd] = ddt + da * Ah
                     dA_acc += da * dt
             dAp[bi, hd] = dA_acc
-            for i in range(p):
-                for j in range(n):
-                    dinit[bi, hd, i, j] = Gs[i, j]
+            dinit[bi, hd] = Gs
 
 
 def available() -> bool:
