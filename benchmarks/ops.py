@@ -290,7 +290,9 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     print(hardware_line("cpu"))
-    print(f"{args.threads} threads; median of {args.repeat} after a warm-up")
+    print(f"{args.threads} threads; median of {args.repeat} after a warm-up; OMP_WAIT_POLICY="
+          f"{os.environ.get('OMP_WAIT_POLICY', '(unset)')}, NUMBA_THREADING_LAYER="
+          f"{os.environ.get('NUMBA_THREADING_LAYER', '(unset)')} (both workers inherit them)")
     if not args.no_ops:
         print_table(["size", "op", "sonata.interop.mamba_ssm ms", "mamba_ssm ref ms", "mambapy ms", "vs ref",
                      "vs mambapy", "max |diff|"], op_rows(args.repeat, not args.ops_big),
