@@ -1,6 +1,6 @@
 """sonata.interop.mamba_ssm and sonata.interop.hf_accelerate, side by side with what a CPU user has without them.
 
-    python benchmarks/ops.py [--threads 2] [--repeat 2] [--ops-big] [--no-ops] [--sizes seed,m2-130m]
+    python benchmarks/ops.py [--threads 2] [--clock wall|cpu] [--repeat 2] [--ops-big] [--no-ops] [--sizes seed,m2-130m]
         [--lengths 512,2048] [--families Mamba,Mamba2,Bamba] [--layers 2]  (see --help)
 
 Table 1, the ops (forward + backward unless marked), at one layer of the seed model
@@ -27,7 +27,10 @@ it through /proc/self/clear_refs; in brackets, how far it rose above the process
 set at the job's start), and whether the greedy ids are equal. Same weights (saved once,
 loaded by both), --layers layers (hybrids: the last one attention), vocabulary --vocab.
 
-Medians of --repeat timed runs after a warm-up; all rows in one run on one machine.
+Medians of --repeat timed runs after a warm-up; all rows in one run on one machine. Table 2
+times each job by the wall clock or, with --clock cpu, by its worker's CPU time (every thread of
+the process, so an OpenMP pool spinning beside the job counts; time spent waiting for a core
+on a shared machine does not).
 """
 from __future__ import annotations
 
@@ -156,6 +159,7 @@ def _family_config(family, size, layers, vocab):
     raise SystemExit(f"unknown family {family!r} (Mamba, Mamba2, Bamba, GraniteMoeHybrid)")
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 GEN = {"greedy": dict(do_sample=False), "top-p 0.9, T 0.8": dict(do_sample=True, top_p=0.9, temperature=0.8),
        "rep. penalty 1.2": dict(do_sample=False, repetition_penalty=1.2)}
 
@@ -165,7 +169,7 @@ def _rss_mb(field):
         return next(int(ln.split()[1]) for ln in f if ln.startswith(field)) / 1024
 
 
-def _worker(conn, use_sonata, threads):
+def _worker(conn, use_sonata, threads, clock):
     """One process, with or without sonata: the shim installed before transformers is imported
     (so every family's Mamba-2 / Mamba-1 ops resolve to sonata's), and `accelerate` on the models
     it applies to (Mamba, Mamba2). Runs the jobs sent to it, one at a time."""
@@ -193,7 +197,7 @@ def _worker(conn, use_sonata, threads):
             f.write("5")
         before = _rss_mb("VmRSS")
         ids = torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(1))
-        t0 = time.perf_counter()
+        t0 = clock()
         out = None
         if task == "train":
             model.train()
@@ -210,7 +214,7 @@ def _worker(conn, use_sonata, threads):
             torch.manual_seed(0)
             new = task.split(":")[2]
             out = model.generate(ids, max_new_tokens=int(new), **GEN[task.split(":")[1]])
-        conn.send((time.perf_counter() - t0, _rss_mb("VmHWM"), before, out))
+        conn.send((clock() - t0, _rss_mb("VmHWM"), before, out))
 
 
 def family_rows(args):
@@ -223,7 +227,7 @@ def family_rows(args):
     workers = {}
     for name, flag in (("transformers", False), ("sonata", True)):
         a, b = ctx.Pipe()
-        proc = ctx.Process(target=_worker, args=(b, flag, args.threads), daemon=True)
+        proc = ctx.Process(target=_worker, args=(b, flag, args.threads, CLOCKS[args.clock]), daemon=True)
         proc.start()
         workers[name] = (a, proc)
     tmp = tempfile.mkdtemp(prefix="sonata_ops_bench_")
@@ -272,6 +276,9 @@ def family_rows(args):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="time each job by the wall clock, or by "
+                    "the CPU time of its process (all its threads; steadier on a shared machine, where waiting "
+                    "for a core is not the job's cost)")
     ap.add_argument("--repeat", type=int, default=2, help="timed runs per job after one warm-up (median)")
     ap.add_argument("--ops-big", action="store_true", help="table 1 also at mamba-130m's layer (its reference's "
                     "backward is a Python loop: minutes)")
@@ -290,7 +297,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     print(hardware_line("cpu"))
-    print(f"{args.threads} threads; median of {args.repeat} after a warm-up; OMP_WAIT_POLICY="
+    print(f"{args.threads} threads; {args.clock} clock; median of {args.repeat} after a warm-up; OMP_WAIT_POLICY="
           f"{os.environ.get('OMP_WAIT_POLICY', '(unset)')}, NUMBA_THREADING_LAYER="
           f"{os.environ.get('NUMBA_THREADING_LAYER', '(unset)')} (both workers inherit them)")
     if not args.no_ops:
