@@ -398,3 +398,22 @@ def test_the_fused_step_runs_under_no_grad_for_parameters(monkeypatch):
     assert calls == [1] and _rel(y, want) < 1e-6 and _rel(state, ref_state) < 1e-6
     y = ssd_step(torch.zeros(b, h, p, n), x, dt, A, B, C, D=D, dt_softplus=True)   # grad mode: the reference
     assert calls == [1] and y.requires_grad
+
+
+def test_the_recurrence_is_bit_identical_serial_and_in_parallel():
+    """One torch thread runs the serial kernels (numba's pool never starts), more run the
+    parallel ones: the same sums in the same order."""
+    seed = _seed()
+    t = _inputs(seed, 3, 70, 4, 8, 2, 16, D="hp", z=True, bias=True, init=True)
+    kw = dict(seq_idx=_packed(3, 70, [33]), softplus=True, seed=seed)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert cpu_recurrent._kernels()[0] is cpu_recurrent._forward_1
+        one = _run(_form("recurrent"), t, torch.float32, 64, **kw)
+        torch.set_num_threads(2)
+        two = _run(_form("recurrent"), t, torch.float32, 64, **kw)
+    finally:
+        torch.set_num_threads(threads)
+    for k in one:
+        assert torch.equal(one[k], two[k]), f"{k} differs serial / parallel (seed {seed})"
