@@ -126,8 +126,8 @@ def test_notebook_10s_parameters_out_of_range_are_one_line():
     with pytest.raises(ParameterError) as e:
         check("10_recall_and_state", {"mqar_states": [16, 2]})
     assert str(e.value) == ("parameter mqar_states = [16, 2] holds 2, which is out of range; allowed: 1 to 4 values, "
-                            "each range 4..256")
+                            "each range 4..128")
     with pytest.raises(ParameterError, match=r"^parameter mqar_d_model = 48 is not allowed; allowed: one of 16 \| 32"):
         check("10_recall_and_state", {"mqar_d_model": 48})
     check("10_recall_and_state", {"mqar_vocab": 8, "mqar_length": 8})          # 3 keys for 2 pairs
-    check("10_recall_and_state", {"mqar_vocab": 8192, "mqar_length": 1024})
+    check("10_recall_and_state", {"mqar_vocab": 8192, "mqar_length": 256})
