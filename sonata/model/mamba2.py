@@ -12,8 +12,9 @@ them (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj):
 On the `cpu` backend the convolution (`sonata.kernels.causal_conv_silu`) and the gated norm
 (`sonata.kernels.rms_norm_gated`) are fused numba kernels, each beside its reference.
 
-One decay per head per token, where Mamba-1 has d_inner x N of them: the chunked SSD is
-matrix multiplies (the CPU's bf16 units run them). Initialisation is mamba_ssm's: A_log =
+One decay per head per token, where Mamba-1 has d_inner x N of them: on the `cpu` backend the
+SSD runs as a fused recurrence (one exp per head and step, d_inner x N multiply-adds) up to
+N = 128, as the chunked form on matrix multiplies beyond (`sonata.kernels.ssd.cpu`). Initialisation is mamba_ssm's: A_log =
 log U(1, 16) per head, dt log-uniform in [dt_min, dt_max] with its floor through dt_bias,
 D = 1, the convolution PyTorch's default.
 

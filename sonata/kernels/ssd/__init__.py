@@ -10,7 +10,8 @@ arguments, several backends, and the recurrent decoding step.
 Shapes and meaning are `reference.py`'s. Backends:
   reference  the chunked form in plain PyTorch (`ssd_chunked_ref`, autograd through it)
   recurrent  the step-by-step recurrence (`ssd_recurrent_ref`: the float64 oracle)
-  cpu        matrix multiplies with a hand-written backward (`cpu.py`)
+  cpu        the fused numba recurrence up to d_state 128 (`cpu_recurrent.py`), the chunked form
+             on matrix multiplies beyond (`cpu.py`; the rule: `cpu.prefer_recurrent`)
   triton     fused Triton kernels (`triton.py`; CUDA, or CPU tensors under TRITON_INTERPRET=1)
   auto       triton on CUDA, cpu on CPU
 When a requested fast path cannot run (triton without a GPU or the interpreter, triton not
