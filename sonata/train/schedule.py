@@ -27,7 +27,12 @@ def _cosine(frac: float, t) -> float:
 
 def lr_at(step: int, t) -> float:
     """Learning rate for optimizer step `step` (0-based): linear warm-up, then cosine to
-    min_lr at train.decay_steps (0: train.max_steps), constant after."""
+    min_lr at train.decay_steps (0: train.max_steps), constant after. From that horizon on the
+    rate is the floor even where warm-up would still run (a horizon within the warm-up: a budgeted
+    run that used its budget in its first steps resumes at the floor, as continue_in_steps says)."""
+    horizon = t.decay_steps or t.max_steps
+    if horizon and step >= horizon:
+        return _cosine(1.0, t)
     if t.warmup_steps and step < t.warmup_steps:
         return t.lr * (step + 1) / t.warmup_steps
     span = max(1, (t.decay_steps or t.max_steps) - t.warmup_steps)

@@ -27,6 +27,20 @@ def test_lr_at_progress_is_the_cosine_over_the_budget_with_warm_up_in_steps():
     assert lr_at(110, s) == lr_at(500, s) == pytest.approx(1e-4)
 
 
+@pytest.mark.parametrize("horizon", [1, 2, 3])
+def test_a_horizon_within_the_warm_up_gives_the_floor_from_the_horizon_on(horizon):
+    """A budgeted run that used its budget in its first steps resumes with decay_steps = its
+    steps, which may lie within the warm-up: from the horizon on the rate is the floor (it
+    was the warm-up ramp, or the full rate at step = warm-up: whether the resumed run trained
+    at the floor depended on how many steps a slow host fitted in the budget)."""
+    t = make_config([f"train.decay_steps={horizon}", "train.warmup_steps=2", "train.max_steps=9",
+                     "train.lr=3e-3"]).train
+    floor = t.lr * t.min_lr_ratio
+    assert [lr_at(s, t) for s in range(horizon, horizon + 3)] == [floor] * 3
+    ramp = range(min(horizon, 2))                         # before the horizon: the warm-up as ever
+    assert [lr_at(s, t) for s in ramp] == pytest.approx([3e-3 * (s + 1) / 2 for s in ramp])
+
+
 def test_continue_in_steps_extrapolates_an_interrupted_budget():
     t = make_config(["train.max_seconds=100", "train.max_steps=0"]).train
     state = {"config": make_config(["train.max_seconds=100", "train.max_steps=0"]).to_dict(),
