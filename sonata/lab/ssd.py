@@ -13,7 +13,9 @@ One selective state-space layer with one decay per head is at once
 recurrence; `form_times` times them against the sequence length; `state_cost` times
 Mamba-1's selective scan against Mamba-2's SSD at equal d_inner as the state size N grows;
 `small_race` trains Mamba-1 and Mamba-2 models for the same number of steps. The library
-returns rows; the notebook writes the sentences.
+returns rows; the notebook writes the sentences. Every "chunked" figure here pins sonata's
+chunked CPU form (`ssd_cpu(..., form="chunked")`): the cpu backend's own choice at N <= 128 is
+the fused recurrence (docs/kernels.md), which would time a different algorithm under the name.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import torch
 
 from sonata.core.config import make_config
 from sonata.kernels import selective_scan
-from sonata.kernels.ssd import ssd
+from sonata.kernels.ssd import ssd, ssd_cpu
 from sonata.kernels.ssd.reference import expand_groups, prepare_dt, segsum, ssd_recurrent_ref
 from sonata.train.trainer import Trainer
 
@@ -73,7 +75,7 @@ def duality(L: int = 200, nheads: int = 4, headdim: int = 16, d_state: int = 16,
         (f"chunked, Q={chunk} (the paper's listing, float64)", "linear + Q^2",
          lambda: ssd(*args, chunk_size=chunk, D=inp["D"], dt_softplus=True, backend="reference")),
         (f"chunked, Q={chunk} (sonata's CPU fast path, float32)", "linear + Q^2",
-         lambda: ssd(*f32, chunk_size=chunk, D=inp["D"].float(), dt_softplus=True, backend="cpu")),
+         lambda: ssd_cpu(*f32, chunk_size=chunk, D=inp["D"].float(), dt_softplus=True, form="chunked")),
     ]
     return [{"form": name, "cost in L": cost,
              "max |y - recurrence|": float((fn().double() - oracle).abs().max())} for name, cost, fn in forms]
@@ -119,7 +121,7 @@ def form_times(lengths=(128, 256, 512, 1024), nheads: int = 8, headdim: int = 32
             row["quadratic ms"] = round(_ms(lambda: ssd_quadratic(*a), repeat), 2) if L <= quadratic_max else None
             row["recurrence ms"] = (round(_ms(lambda: ssd_recurrent_ref(*a, dt_softplus=True), repeat), 2)
                                     if L <= recurrence_max else None)
-            row["chunked ms"] = round(_ms(lambda: ssd(*a, chunk_size=chunk, dt_softplus=True, backend="cpu"),
+            row["chunked ms"] = round(_ms(lambda: ssd_cpu(*a, chunk_size=chunk, dt_softplus=True, form="chunked"),
                                           repeat), 2)
         rows.append(row)
     return rows
@@ -151,7 +153,7 @@ def state_cost(states=(16, 64, 128), d_inner: int = 192, headdim: int = 32, L: i
             selective_scan(*m1, delta_softplus=True, backend="cpu").sum().backward()
 
         def mamba2():
-            ssd(*m2, chunk_size=64, dt_softplus=True, backend="cpu").sum().backward()
+            ssd_cpu(*m2, chunk_size=64, dt_softplus=True, form="chunked").sum().backward()
 
         t1, t2 = _ms(mamba1, repeat), _ms(mamba2, repeat)
         rows.append({"N": n, "Mamba-1 scan ms": round(t1, 2), "Mamba-2 SSD ms": round(t2, 2),
