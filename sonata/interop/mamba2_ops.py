@@ -28,8 +28,9 @@ per-head form of `mamba_ssm.ops.triton.selective_state_update` and
     rmsnorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True)
     layernorm_fn(..., is_rms_norm=False), RMSNorm / LayerNorm (modules)
 
-What runs. The scans go through `sonata.kernels.ssd.ssd` (backend "auto": the chunked CPU
-kernel with its hand-written backward on CPU tensors, Triton on CUDA), `seq_idx` included
+What runs. The scans go through `sonata.kernels.ssd.ssd` (backend "auto": on CPU tensors
+the fused numba recurrence up to N = 128 and the chunked form beyond, each with its
+hand-written backward; Triton on CUDA), `seq_idx` included
 (the state resets where it changes). The decoding step goes through `ssd_step` (one fused
 numba pass over the state) when A, dt and dt_bias are one number per head, as Mamba-2 passes
 them (stride-0 expansions over p and n; equal values count too); a genuinely per-element A
