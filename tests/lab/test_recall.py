@@ -75,6 +75,10 @@ def test_the_recall_claims_are_read_from_the_rows():
     assert v[1]["measured"] == "Mamba-2 N=64 0.950, attention 0.990"
     rows[2]["accuracy"] = 0.93                           # 6 points under attention
     assert [r["holds"] for r in recall.recall_verdicts(rows)] == ["yes", "no"]
+    rows[3]["accuracy"] = 0.06                           # an attention run far under Mamba-2: no match
+    assert [r["holds"] for r in recall.recall_verdicts(rows)] == ["yes", "no"]
+    rows[3]["accuracy"] = 0.97
+    assert [r["holds"] for r in recall.recall_verdicts(rows)] == ["yes", "yes"]
     rows[1]["accuracy"] = 0.30                           # Mamba-2 under Mamba-1 at N=16
     assert recall.recall_verdicts(rows)[0]["holds"] == "no"
     assert [r["holds"] for r in recall.recall_verdicts(rows[:1])] == ["not run", "not run"]
