@@ -56,13 +56,23 @@ train: $(STAMP)
 lab: $(STAMP)
 	@.ci/lab $(BIN)/python $(CURDIR)
 
-# nbval re-runs each notebook at its defaults, but not the three whose default is a long
+# nbval re-runs each notebook at its defaults, but not the four whose default is a long
 # training run: notebook 01 (1,500 steps, 1-3 minutes; `make train` is that run), notebook
-# 07 (12 runs of 10 minutes) and notebook 08 (about two hours of runs). tests/test_notebooks.py
-# runs them under papermill with short budgets and checks notebook 01's nbval-checked cells.
+# 07 (12 runs of 10 minutes), notebook 08 (about two hours of runs) and notebook 10 (15 runs
+# of 2,000-3,000 steps). tests/test_notebooks.py runs them under papermill with short budgets
+# and checks notebook 01's nbval-checked cells.
+#
+# Both runs spread their files over TEST_WORKERS processes (pytest-xdist; a file's tests stay in
+# one worker, so its module fixtures run once): 2, this project's machines' cores, unless set;
+# TEST_WORKERS=0 runs everything in one process. OpenMP threads sleep while they wait
+# (OMP_WAIT_POLICY=passive): two workers' thread pools on two cores would otherwise spin on the
+# cores the other worker needs.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+test: export OMP_WAIT_POLICY ?= passive
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
-	$(BIN)/python -m pytest -q --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider \
+	$(BIN)/python -m pytest -q $(XDIST) tests
+	$(BIN)/python -m pytest -q $(XDIST) --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider \
 		--ignore=notebooks/01_train_tinystories.ipynb --ignore=notebooks/07_ten_minute_speedrun.ipynb \
 		--ignore=notebooks/08_selection.ipynb --ignore=notebooks/10_recall_and_state.ipynb notebooks
 
