@@ -240,6 +240,19 @@ def loss_by_position(positions: dict, title: str = "validation loss by position 
     return fig
 
 
+def _accuracy_axes(fig, ax, xlabel: str, ylabel: str, title: str):
+    """The accuracy figures' finish (notebooks 08 and 10): log2 x axis, accuracy 0-1, grid, legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def accuracy_by_length(curves: dict, chance: float, train_length: int | None = None,
                        title: str = "accuracy by test length"):
     """Accuracy against test length (log2 axis), one line per named model (notebook 08);
@@ -252,15 +265,7 @@ def accuracy_by_length(curves: dict, chance: float, train_length: int | None = N
     ax.axhline(chance, color="k", ls=":", lw=1, label=f"chance ({chance:.3f})")
     if train_length:
         ax.axvline(train_length, color="tab:gray", ls="--", lw=1, label=f"training length {train_length:,}")
-    ax.set_xscale("log", base=2)
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("test sequence length (log2)")
-    ax.set_ylabel("accuracy")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    return _accuracy_axes(fig, ax, "test sequence length (log2)", "accuracy", title)
 
 
 def delta_heatmaps(panels: dict, tokens: list[str], title: str = "delta per position"):
@@ -333,12 +338,4 @@ def recall_by_state(rows: list[dict], title: str = "MQAR accuracy against state 
         for r in rows:
             if r["model"] == name and r["N"] == "-":
                 ax.axhline(r["accuracy"], color="k", ls="--", lw=1, label=f"{name} (no N)")
-    ax.set_xscale("log", base=2)
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("state size N (log2)")
-    ax.set_ylabel("accuracy at the trained length")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    return _accuracy_axes(fig, ax, "state size N (log2)", "accuracy at the trained length", title)
