@@ -33,7 +33,7 @@ from sonata.kernels.cpu_loss import _cross_entropy_backward_kernel, _cross_entro
 from sonata.kernels.cpu_norm import (_rms_norm_backward_kernel, _rms_norm_forward_kernel,
                                      _rms_norm_gated_backward_kernel, _rms_norm_gated_forward_kernel)
 from sonata.kernels.cpu_scan import _backward_kernel, _forward_kernel
-from sonata.kernels.cpu_simd import W
+from sonata.kernels.cpu_simd import W, for_workers
 from sonata.kernels.reference import compute_dtype
 
 # Time steps between saved states. The backward's per-thread scratch is about
@@ -60,7 +60,7 @@ def _set_threads() -> int:
     """Use torch's thread count (at most numba's): -> the number of workers. numba's setting is
     per calling thread; it is only set again when torch's count changed for this thread."""
     n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    if getattr(_threads, "n", None) != n:
+    if n > 1 and getattr(_threads, "n", None) != n:      # one worker: the serial twins, no pool
         numba.set_num_threads(n)
         _threads.n = n
     return n
@@ -194,7 +194,7 @@ def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj=None
     ckpt = torch.empty((batch, dim, n_chunks, N), dtype=ct)
     inputs = _scan_inputs(u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj, ct)
     h0 = _optional(initial_state, ct, (1, 1, 1), _activation)           # a placeholder when absent
-    _forward_kernel(*inputs, h0, initial_state is not None, chunk, n_workers,
+    for_workers(_forward_kernel, n_workers)(*inputs, h0, initial_state is not None, chunk, n_workers,
                     out.numpy(), last_state.numpy(), ckpt.numpy())
     return _as(out, u.dtype).transpose(1, 2), last_state, (ckpt, _chunk_length(chunk))
 
@@ -231,7 +231,7 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
                      dC=dC.numpy(), dD=dD.numpy(), ddb=ddb.numpy(), dW=dW.numpy(),
                      dX=ddelta.numpy() if R else dW.numpy()[None],    # the projection's input gradient
                      dh0=dh0.numpy(), want_dh0=initial_state is not None)
-    _backward_kernel(*dout_args, _optional(dlast, ct, (batch, dim, N)), *inputs,
+    for_workers(_backward_kernel, n_workers)(*dout_args, _optional(dlast, ct, (batch, dim, N)), *inputs,
                      int(chunk), _np(ckpt, ct), _n_groups(batch, dim), n_workers, *grads_out.values())
     grads = (_as(du, u.dtype).transpose(1, 2), _as(ddelta, delta.dtype), _as(dA, A.dtype), _as(dB, B.dtype), _as(dC, C.dtype),
              None if D is None else _as(dD, D.dtype),
@@ -253,7 +253,7 @@ def conv_silu_forward(xz, weight, bias):
     batch, L, dim = xz.shape[0], xz.shape[1], weight.shape[0]
     out = torch.empty((batch, L, dim), dtype=ct)
     zout = torch.empty((batch, dim, L), dtype=ct)
-    _conv_silu_forward_kernel(_np(xz[..., :dim], ct), _np(xz[..., dim:], ct),
+    for_workers(_conv_silu_forward_kernel, n_workers)(_np(xz[..., :dim], ct), _np(xz[..., dim:], ct),
                               _np(weight.reshape(dim, -1), ct), _optional(bias, ct, (dim,)), n_workers,
                               True, out.numpy(), zout.numpy())
     return _as(out, xz.dtype).transpose(1, 2), _as(zout, xz.dtype)
@@ -269,7 +269,7 @@ def conv_silu_backward(du, dz, xz, weight, bias):
     dxz = torch.empty((batch, L, 2 * dim), dtype=ct)
     dw_part = torch.empty((batch, dim * K), dtype=ct)
     db_part = torch.empty((batch, dim), dtype=ct)
-    _conv_silu_backward_kernel(*_either_layout(du, ct), _activation(dz, ct), _np(xz[..., :dim], ct),
+    for_workers(_conv_silu_backward_kernel, n_workers)(*_either_layout(du, ct), _activation(dz, ct), _np(xz[..., :dim], ct),
                                _np(weight.reshape(dim, K), ct), _optional(bias, ct, (dim,)), n_workers,
                                True, dxz[..., :dim].numpy(), dxz[..., dim:].numpy(),
                                dw_part.numpy().reshape(batch, dim, K), db_part.numpy())
@@ -285,7 +285,7 @@ def causal_conv_silu_forward(x, weight, bias):
     batch, L, dim = x.shape
     out = torch.empty((batch, L, dim), dtype=ct)
     xa = _np(x, ct)
-    _conv_silu_forward_kernel(xa, xa, _np(weight.reshape(dim, -1), ct), _optional(bias, ct, (dim,)),
+    for_workers(_conv_silu_forward_kernel, n_workers)(xa, xa, _np(weight.reshape(dim, -1), ct), _optional(bias, ct, (dim,)),
                               n_workers, False, out.numpy(), np.empty((1, 1, 1), dtype=xa.dtype))
     return _as(out, x.dtype)
 
@@ -302,7 +302,7 @@ def causal_conv_silu_backward(dout, x, weight, bias):
     db_part = torch.empty((batch, dim), dtype=ct)
     dxa = dx.numpy()
     no_gate = np.empty((1, 1, 1), dtype=dxa.dtype)
-    _conv_silu_backward_kernel(*_either_layout(dout.transpose(1, 2), ct), no_gate,
+    for_workers(_conv_silu_backward_kernel, n_workers)(*_either_layout(dout.transpose(1, 2), ct), no_gate,
                                _np(x, ct), _np(weight.reshape(dim, K), ct), _optional(bias, ct, (dim,)),
                                n_workers, False, dxa, dxa, dw_part.numpy().reshape(batch, dim, K),
                                db_part.numpy())
@@ -386,7 +386,8 @@ def cross_entropy_forward(logits, target):
     ex = torch.empty((n, V), dtype=ct)
     c = torch.empty(n, dtype=ct)
     loss_rows = np.empty(n, dtype=np.float64 if ct == torch.float64 else np.float32)
-    _cross_entropy_forward_kernel(_np(logits, ct), t, _set_threads(), loss_rows, ex.numpy(), c.numpy())
+    n_workers = _set_threads()
+    for_workers(_cross_entropy_forward_kernel, n_workers)(_np(logits, ct), t, n_workers, loss_rows, ex.numpy(), c.numpy())
     loss = loss_rows.sum(dtype=np.float64) / n if n else math.nan
     return torch.tensor(loss, dtype=logits.dtype), (ex, c, target)
 
@@ -395,6 +396,7 @@ def cross_entropy_backward(dloss, saved, dtype):
     """The upstream gradient dloss (0-d) -> dlogits (rows, V) in `dtype`."""
     ex, c, target = saved
     dx = torch.empty(ex.shape, dtype=ex.dtype)
-    _cross_entropy_backward_kernel(ex.numpy(), c.numpy(), target.numpy(), ex.numpy().dtype.type(float(dloss)),
-                                   _set_threads(), dx.numpy())
+    n_workers = _set_threads()
+    for_workers(_cross_entropy_backward_kernel, n_workers)(
+        ex.numpy(), c.numpy(), target.numpy(), ex.numpy().dtype.type(float(dloss)), n_workers, dx.numpy())
     return _as(dx, dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from sonata.kernels.cpu_simd import WC, _jit, _vec, _inline, _sigmoid, _take
+from sonata.kernels.cpu_simd import parallel_kernel, WC, _jit, _vec, _inline, _sigmoid, _take
 
 # --------------------------------------------------------------------------- depthwise conv + SiLU
 
@@ -84,7 +84,7 @@ def _conv_pre(xr, w, d, bias_d, K, t):
     return c
 
 
-@njit(parallel=True, **_vec)
+@parallel_kernel(**_vec)
 def _conv_silu_forward_kernel(x, z, w, bias, n_workers, move_z, out, zout):
     # x, z: (batch, L, dim) any strides   w: (dim, K)   bias: (dim,)   out: (batch, L, dim)
     # zout: (batch, dim, L); neither z nor zout is read without move_z (Mamba-2: no gate here)
@@ -112,7 +112,7 @@ def _conv_silu_forward_kernel(x, z, w, bias, n_workers, move_z, out, zout):
             item = _take(queue)
 
 
-@njit(parallel=True, **_vec)
+@parallel_kernel(**_vec)
 def _conv_silu_backward_kernel(dout, dout_tm, dz, x, w, bias, n_workers, move_z, dx, dzx, dw_part, db_part):
     # dout: (batch, dim, L), or (batch, L, dim) when dout_tm   dz: (batch, dim, L) (read, and
     # dzx written, only with move_z)

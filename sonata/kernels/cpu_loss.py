@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from sonata.kernels.cpu_simd import WC, _vec, _exp, _take
+from sonata.kernels.cpu_simd import parallel_kernel, WC, _vec, _exp, _take
 
 # --------------------------------------------------------------------------- cross-entropy
 
@@ -22,7 +22,7 @@ from sonata.kernels.cpu_simd import WC, _vec, _exp, _take
 CE_ROWS = 16
 
 
-@njit(parallel=True, **_vec)
+@parallel_kernel(**_vec)
 def _cross_entropy_forward_kernel(logits, target, n_workers, loss_rows, ex, c):
     n, V = logits.shape
     n_items = -(-n // CE_ROWS)
@@ -55,7 +55,7 @@ def _cross_entropy_forward_kernel(logits, target, n_workers, loss_rows, ex, c):
             item = _take(queue)
 
 
-@njit(parallel=True, **_vec)
+@parallel_kernel(**_vec)
 def _cross_entropy_backward_kernel(ex, c, target, g, n_workers, dx):
     n, V = ex.shape
     n_items = -(-n // CE_ROWS)

@@ -78,7 +78,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from sonata.kernels.cpu_simd import W, _jit, _vec, _inline, _exp, _softplus, _sigmoid, _take
+from sonata.kernels.cpu_simd import parallel_kernel, W, _jit, _vec, _inline, _exp, _softplus, _sigmoid, _take
 
 # Moving a block between the (batch, dim, L) tensors and the lane-contiguous (T, W) chunk
 # buffers is a transposition. It runs as a plain copy in its own (not inlined) function,
@@ -194,7 +194,7 @@ def _block_params(A, D, dtw, d0, nw, Ab, Db, Wb):
 
 # --------------------------------------------------------------------------- forward
 
-@njit(parallel=True, **_vec)
+@parallel_kernel(**_vec)
 def _forward_kernel(u, u_tm, delta, dtw, A, Bt, Ct, D, z, delta_bias, softplus, has_z, h0, has_h0,
                     chunk, n_workers, out, last_state, ckpt):
     # u: (batch, dim, L), or time-major (batch, L, dim) when u_tm   z: (batch, dim, L)
@@ -266,7 +266,7 @@ def _forward_kernel(u, u_tm, delta, dtw, A, Bt, Ct, D, z, delta_bias, softplus, 
 
 # --------------------------------------------------------------------------- backward
 
-@njit(parallel=True, **_jit)
+@parallel_kernel(**_jit)
 def _reduce_partials(dA_part, dD_part, ddb_part, dW_part, dB_part, dC_part, dX_part, chunk,
                      n_workers, dA, dD, ddb, dW, dB, dC, dX):
     """Sum the partials in a fixed order.
@@ -325,7 +325,7 @@ def _reduce_partials(dA_part, dD_part, ddb_part, dW_part, dB_part, dC_part, dX_p
             item = _take(queue)
 
 
-@njit(parallel=True, **_vec)
+@parallel_kernel(**_vec)
 def _backward_kernel(dout, dout_tm, dlast, u, u_tm, delta, dtw, A, Bt, Ct, D, z, delta_bias,
                      softplus, has_z, chunk, ckpt, n_groups, n_workers,
                      du, ddelta, dz, dA, dB, dC, dD, ddb, dW, dX, dh0, want_dh0):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import types as pytypes
 
 import numba
 import numpy as np
@@ -84,6 +85,49 @@ _vec = dict(_jit, fastmath={"reassoc", "contract"})
 # every array argument's fields on the stack, and block vectorization); they then
 # compile with the kernel's fastmath flags.
 _inline = dict(inline="always")
+
+
+# Kernels that split their work over numba's thread pool (`prange` over n_workers) are
+# compiled twice: `parallel_kernel` is the parallel one, `serial(kernel)` a twin compiled
+# without `parallel` (prange runs as range), for one worker. Why: a parallel call starts numba's
+# OpenMP pool at NUMBA_NUM_THREADS threads even when told to use one, and after each call
+# the idle ones wait actively. With torch at one thread on a busy host that waiting thread
+# takes the core the work needs: a Mamba-2 training step at one thread, beside one other busy
+# process on 2 cores, measured 248 ms against 9.4 ms with NUMBA_NUM_THREADS=1 (its conv and
+# loss kernels are parallel ones). The twin is the same code object under its own qualified
+# name (numba's cache keys a kernel by its name and bytecode, not its flags: the twins must
+# not share an entry), with the other parallel kernels it calls swapped for their twins.
+_SOURCE = "_sonata_parallel_source"
+
+
+def parallel_kernel(**opts):
+    """njit(parallel=True, **opts), remembering the source for its serial twin."""
+    def deco(fn):
+        kernel = njit(parallel=True, **opts)(fn)
+        setattr(kernel, _SOURCE, (fn, opts))
+        return kernel
+    return deco
+
+
+def serial(kernel):
+    """The one-worker twin of a `parallel_kernel` (built on first use, after its module's
+    globals exist: the parallel kernels it calls become their twins too)."""
+    twin = kernel.__dict__.get("_sonata_serial")
+    if twin is None:
+        fn, opts = getattr(kernel, _SOURCE)
+        env = dict(fn.__globals__)
+        for name in fn.__code__.co_names:                  # the globals it reads
+            if name in env and env[name] is not kernel and _SOURCE in getattr(env[name], "__dict__", {}):
+                env[name] = serial(env[name])
+        py = pytypes.FunctionType(fn.__code__, env, fn.__name__ + "_serial", fn.__defaults__, fn.__closure__)
+        py.__qualname__, py.__module__ = fn.__qualname__ + "_serial", fn.__module__
+        twin = kernel._sonata_serial = njit(**opts)(py)
+    return twin
+
+
+def for_workers(kernel, n_workers: int):
+    """The kernel to call with `n_workers`: the parallel one for more than one, else its twin."""
+    return kernel if n_workers > 1 else serial(kernel)
 
 
 # --------------------------------------------------------------------------- exp
