@@ -77,12 +77,12 @@ def track_curriculum(length: int) -> str:
 
 
 def track_overrides(task: str, model: str, steps: int, cap_s: float = 0.0, length: int = 64,
-                    d_model: int = 32, d_state: int = 16, seed: int = 0) -> dict:
-    """One state-tracking run's config overrides: 1 layer, trained on `track_curriculum(length)`
+                    d_model: int = 32, d_state: int = 16, seed: int = 0, n_layers: int = 2) -> dict:
+    """One state-tracking run's config overrides: `n_layers` layers, trained on `track_curriculum(length)`
     with the loss at every position (task.running: the answer of every prefix; the score stays
     the last position's); validated at `length`."""
     return {**BASE, **TRACK_TASKS[task], **MODELS[model][1], "task.running": True, "data.seq_len": length,
-            "task.curriculum": track_curriculum(length), "model.n_layers": 1, "model.d_model": d_model,
+            "task.curriculum": track_curriculum(length), "model.n_layers": n_layers, "model.d_model": d_model,
             "model.d_state": d_state, "train.seed": seed, "train.max_steps": int(steps),
             "train.max_seconds": float(cap_s)}
 
@@ -135,13 +135,13 @@ def recall_verdicts(rows: list[dict], margin: float = 0.05) -> list[dict]:
 
 def track_runs(tasks, models, steps: int, cap_s: float = 0.0, length: int = 64, test_lengths=(64, 256),
                d_model: int = 32, d_state: int = 16, n_test: int = 128, seed: int = 0, out_dir=None,
-               progress=None) -> tuple[list[dict], dict]:
+               progress=None, n_layers: int = 2) -> tuple[list[dict], dict]:
     """Train each (task, model) at `length` and score it at `test_lengths` -> (one run row
     each: task, model, steps and seconds; {(task, model label): accuracy_by_length's rows})."""
     runs, acc = [], {}
     for task in tasks:
         for model in models:
-            o = track_overrides(task, model, steps, cap_s, length, d_model, d_state, seed)
+            o = track_overrides(task, model, steps, cap_s, length, d_model, d_state, seed, n_layers)
             m, s = train_steps(o, _folder(out_dir, f"{task}-{model}"), progress=progress)
             t = make_task(make_config(o).task)
             acc[(task, label(model))] = accuracy_by_length(m, t, list(test_lengths), n_test, n_test, seed=1234)

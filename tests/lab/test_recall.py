@@ -22,8 +22,9 @@ def test_a_recall_run_is_the_cpu_grid_point_for_its_steps_with_the_cap(model):
 @pytest.mark.parametrize("task", recall.TRACK_TASKS)
 @pytest.mark.parametrize("model", recall.TRACK_MODELS)
 def test_a_tracking_run_trains_every_prefix_at_one_length(task, model):
-    cfg = make_config(recall.track_overrides(task, model, 50, 0.0, length=32, d_model=16, d_state=8))
+    cfg = make_config(recall.track_overrides(task, model, 50, 0.0, length=32, d_model=16, d_state=8, n_layers=1))
     assert (cfg.task.name, cfg.task.running, cfg.data.seq_len, cfg.model.n_layers) == (task, True, 32, 1)
+    assert make_config(recall.track_overrides(task, model, 50)).model.n_layers == 2
     assert (cfg.train.max_steps, cfg.train.max_seconds) == (50, 0.0)
     assert cfg.task.curriculum == "4:300,8:300,16:300,32"
     m = cfg.model
