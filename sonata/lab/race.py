@@ -75,6 +75,10 @@ RACE_MAMBA2 = {
        for n in (16, 64, 128)},
     "hybrid-n64-fast-ctx512-wd0.3": {**RACE_COMMON, **BEST_LEVERS, "model.layers": "mamba2,attention",
                                      "model.d_state": 64},
+    # the hybrid at the Mamba-1 row's size: d_model 88 (heads of 16: 176 / 32 is not whole), 333,929
+    # parameters against sonata-bf16-ctx512-wd0.3's 333,216 (the d_model 96 hybrid has 377,554)
+    "hybrid-n64-d88-fast-ctx512-wd0.3": {**RACE_COMMON, **BEST_LEVERS, "model.layers": "mamba2,attention",
+                                         "model.d_state": 64, "model.d_model": 88, "model.headdim": 16},
     "gpt2-fast-lr6e-3-wd0.3": {**RACE_COMMON, **GPT2_RACE, "train.lr": 6e-3, "train.weight_decay": 0.3,
                                "train.precision": "fast"},
     "gpt2-fast-ctx256-lr6e-3-wd0.3": {**RACE_COMMON, **GPT2_RACE, "train.lr": 6e-3, "train.weight_decay": 0.3,

@@ -42,6 +42,18 @@ def test_every_race_row_keeps_the_race_equal():
         assert cfg.data.vocab_size == 2048 and cfg.data.seq_len * cfg.train.effective_batch == 2048, name
 
 
+def test_the_equal_size_hybrid_row_matches_mamba1s_parameters():
+    """The d_model 88 hybrid (Mamba-2 then attention) is within 1% of the Mamba-1 row it races
+    (333,216); the d_model 96 hybrid is 13% larger, which is why the smaller one exists."""
+    from sonata.lab.race import RACE_MAMBA2
+    m1 = _built(RACE["sonata-bf16-ctx512-wd0.3"], 2048).num_params()
+    small = _built(RACE_MAMBA2["hybrid-n64-d88-fast-ctx512-wd0.3"], 2048)
+    big = _built(RACE_MAMBA2["hybrid-n64-fast-ctx512-wd0.3"], 2048).num_params()
+    assert m1 == 333_216 and small.num_params() == 333_929 and big == 377_554
+    assert abs(small.num_params() - m1) / m1 < 0.01 and (big - m1) / m1 > 0.1
+    assert [type(layer).__name__ for layer in small.layers] == ["Mamba2Block", "AttentionBlock"]
+
+
 def test_the_gpt2_baseline_and_sonata_see_identical_batches():
     gpt_over = {"model.arch": "gpt2", "model.d_model": 32, "model.n_heads": 4}
     a = Trainer(make_config(tiny_overrides()), None, progress="none")
