@@ -2,6 +2,7 @@
 sonata's trainer) and benchmarks/race.py's study (sonata.lab.race.RACE). The race itself is a
 benchmark (600 s per model); here: the sizes, the batches, and a run under a tiny budget."""
 import math
+import os
 import subprocess
 import sys
 
@@ -97,3 +98,17 @@ def test_the_race_script_refuses_a_bad_budget_in_one_line():
     r = subprocess.run([sys.executable, "benchmarks/race.py", "--budget-s", "0"], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--budget-s must be positive" in r.stderr
+
+
+def test_the_race_script_names_its_data_before_it_trains():
+    """A race that falls back to the embedded corpus says so before its first run (and again
+    under the table), not only after twenty minutes of training on the wrong data."""
+    env = {k: v for k, v in os.environ.items() if k != "SONATA_TINYSTORIES"}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "benchmarks/race.py", "--budget-s", "0.5", "--configs", "sonata"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert lines[1].startswith("data: TinyStories is not available here"), lines[:3]
+    table = next(i for i, ln in enumerate(lines) if ln.startswith("the race:"))
+    assert table > 1 and any(ln.startswith("data: TinyStories is not available") for ln in lines[table:])
