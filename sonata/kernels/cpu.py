@@ -21,10 +21,8 @@ caches it on disk, keyed by every source of this folder (`numba_cache`).
 from __future__ import annotations
 
 import math
-import threading
 from typing import NamedTuple
 
-import numba
 import numpy as np
 import torch
 
@@ -33,7 +31,7 @@ from sonata.kernels.cpu_loss import _cross_entropy_backward_kernel, _cross_entro
 from sonata.kernels.cpu_norm import (_rms_norm_backward_kernel, _rms_norm_forward_kernel,
                                      _rms_norm_gated_backward_kernel, _rms_norm_gated_forward_kernel)
 from sonata.kernels.cpu_scan import _backward_kernel, _forward_kernel
-from sonata.kernels.cpu_simd import W, for_workers
+from sonata.kernels.cpu_simd import W, for_workers, workers
 from sonata.kernels.reference import compute_dtype
 
 # Time steps between saved states. The backward's per-thread scratch is about
@@ -53,17 +51,6 @@ WORK_ITEMS = 64
 # torch) when the tensor already is what the kernels read. A set of the six kernel calls (scan,
 # conv, RMSNorm, forward and backward) at the smallest size, where only the glue costs, went from
 # 972 to 689 us with it (paired, 40 rounds): about 0.6 ms per training step.
-_threads = threading.local()
-
-
-def _set_threads() -> int:
-    """Use torch's thread count (at most numba's): -> the number of workers. numba's setting is
-    per calling thread; it is only set again when torch's count changed for this thread."""
-    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    if n > 1 and getattr(_threads, "n", None) != n:      # one worker: the serial twins, no pool
-        numba.set_num_threads(n)
-        _threads.n = n
-    return n
 
 
 def _np(t: torch.Tensor, ct: torch.dtype) -> np.ndarray:
@@ -183,7 +170,7 @@ def forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj=None
     the kernels use delta = (delta @ delta_proj.T).transpose(1, 2), computed block by block.
     `initial_state` (batch, dim, N): the state before the first step (zeros when None); the
     first checkpoint is that state, so the backward needs nothing more to recompute from it."""
-    n_workers = _set_threads()
+    n_workers = workers()
     ct = compute_dtype(u.dtype)
     batch, dim, L = u.shape
     N = A.shape[1]
@@ -208,7 +195,7 @@ def backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, s
     first saved checkpoint: the tensor itself is not read here). dout and u are
     read in either layout (see `forward`); du comes back as out does, a transposed view of a
     C-contiguous (batch, L, dim) tensor."""
-    n_workers = _set_threads()
+    n_workers = workers()
     ckpt, chunk = saved
     ct = compute_dtype(u.dtype)
     batch, dim, L = u.shape
@@ -248,7 +235,7 @@ def conv_silu_forward(xz, weight, bias):
     C-contiguous (batch, L, dim) tensor (x_proj and the scan read it in place); z =
     xz[..., dim:] moved into a C-contiguous (batch, dim, L) tensor. weight (dim, 1, K) or
     (dim, K); bias (dim,) or None."""
-    n_workers = _set_threads()
+    n_workers = workers()
     ct = compute_dtype(xz.dtype)
     batch, L, dim = xz.shape[0], xz.shape[1], weight.shape[0]
     out = torch.empty((batch, L, dim), dtype=ct)
@@ -262,7 +249,7 @@ def conv_silu_forward(xz, weight, bias):
 def conv_silu_backward(du, dz, xz, weight, bias):
     """du, dz (batch, dim, L) (du in either layout, see `forward`) -> (dxz (batch, L, 2 dim) in xz's dtype, dweight like weight, dbias
     like bias or None)."""
-    n_workers = _set_threads()
+    n_workers = workers()
     ct = compute_dtype(xz.dtype)
     batch, L, dim = xz.shape[0], xz.shape[1], weight.shape[0]
     K = weight.shape[-1]
@@ -280,7 +267,7 @@ def causal_conv_silu_forward(x, weight, bias):
     """x (batch, L, dim), any strides (Mamba-2's xBC slice of in_proj's output) -> silu(depthwise
     causal conv of x + bias), a C-contiguous (batch, L, dim) tensor in x's dtype. The
     convolution of `conv_silu_forward` without the gate (any width)."""
-    n_workers = _set_threads()
+    n_workers = workers()
     ct = compute_dtype(x.dtype)
     batch, L, dim = x.shape
     out = torch.empty((batch, L, dim), dtype=ct)
@@ -293,7 +280,7 @@ def causal_conv_silu_forward(x, weight, bias):
 def causal_conv_silu_backward(dout, x, weight, bias):
     """dout (batch, L, dim) -> (dx (batch, L, dim) in x's dtype, dweight like weight, dbias like
     bias or None)."""
-    n_workers = _set_threads()
+    n_workers = workers()
     ct = compute_dtype(x.dtype)
     batch, L, dim = x.shape
     K = weight.shape[-1]
@@ -386,7 +373,7 @@ def cross_entropy_forward(logits, target):
     ex = torch.empty((n, V), dtype=ct)
     c = torch.empty(n, dtype=ct)
     loss_rows = np.empty(n, dtype=np.float64 if ct == torch.float64 else np.float32)
-    n_workers = _set_threads()
+    n_workers = workers()
     for_workers(_cross_entropy_forward_kernel, n_workers)(_np(logits, ct), t, n_workers, loss_rows, ex.numpy(), c.numpy())
     loss = loss_rows.sum(dtype=np.float64) / n if n else math.nan
     return torch.tensor(loss, dtype=logits.dtype), (ex, c, target)
@@ -396,7 +383,7 @@ def cross_entropy_backward(dloss, saved, dtype):
     """The upstream gradient dloss (0-d) -> dlogits (rows, V) in `dtype`."""
     ex, c, target = saved
     dx = torch.empty(ex.shape, dtype=ex.dtype)
-    n_workers = _set_threads()
+    n_workers = workers()
     for_workers(_cross_entropy_backward_kernel, n_workers)(
         ex.numpy(), c.numpy(), target.numpy(), ex.numpy().dtype.type(float(dloss)), n_workers, dx.numpy())
     return _as(dx, dtype)

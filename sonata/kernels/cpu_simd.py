@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import types as pytypes
 
 import numba
 import numpy as np
+import torch
 from llvmlite import ir
 from llvmlite.binding import get_host_cpu_features
 from numba import njit, types
@@ -128,6 +130,20 @@ def serial(kernel):
 def for_workers(kernel, n_workers: int):
     """The kernel to call with `n_workers`: the parallel one for more than one, else its twin."""
     return kernel if n_workers > 1 else serial(kernel)
+
+
+_threads = threading.local()
+
+
+def workers() -> int:
+    """The workers of the next kernel call: torch's thread count, at most numba's. numba's own
+    setting is per calling thread and is set (again) only when that count changed for this
+    thread, and never at one worker: setting it starts the pool, and one worker runs the twins."""
+    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    if n > 1 and getattr(_threads, "n", None) != n:
+        numba.set_num_threads(n)
+        _threads.n = n
+    return n
 
 
 # --------------------------------------------------------------------------- exp

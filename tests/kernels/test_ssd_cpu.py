@@ -406,12 +406,14 @@ def test_the_recurrence_is_bit_identical_serial_and_in_parallel():
     seed = _seed()
     t = _inputs(seed, 3, 70, 4, 8, 2, 16, D="hp", z=True, bias=True, init=True)
     kw = dict(seq_idx=_packed(3, 70, [33]), softplus=True, seed=seed)
+    from sonata.kernels import cpu_simd
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert cpu_recurrent._kernels()[0] is cpu_recurrent._forward_1
+        assert cpu_simd.workers() == 1      # the serial twins run: numba's pool never starts
         one = _run(_form("recurrent"), t, torch.float32, 64, **kw)
         torch.set_num_threads(2)
+        assert cpu_simd.workers() == min(2, cpu_simd.numba.config.NUMBA_NUM_THREADS)
         two = _run(_form("recurrent"), t, torch.float32, 64, **kw)
     finally:
         torch.set_num_threads(threads)

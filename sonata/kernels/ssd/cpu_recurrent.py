@@ -26,7 +26,7 @@ walks the segments from last to first, recomputes the segment's T states from it
 checkpoint into a per-thread buffer, then runs the reverse step over them (Mamba-1's
 kernels do the same, `sonata/kernels/cpu_scan.py`). T = SEGMENT = 64.
 
-Parallel over (batch, group) work items (serial at one thread: `_kernels`); an item runs its group's heads one after the
+Parallel over (batch, group) work items (serial at one thread: `cpu_simd.for_workers`); an item runs its group's heads one after the
 other, so it owns dB and dC of its (batch, group) rows and adds the heads in a fixed order:
 no atomics, bit-identical reruns whatever the thread count. float32 arithmetic (float64 for
 float64 inputs: gradcheck); bfloat16 inputs or autocast run it in float32 and return x's
@@ -40,36 +40,26 @@ import numpy as np
 import torch
 
 try:
-    import numba
-    from numba import njit, prange
+    from numba import prange
 
-    from sonata.kernels import numba_cache
-
-    numba_cache.install()
+    from sonata.kernels.cpu_simd import for_workers, parallel_kernel, workers
 except ImportError:         # no numba: the chunked form runs (prefer_recurrent says no)
-    njit = None
+    prange = range
+    parallel_kernel = None
 
 from sonata.kernels.ssd.cpu_fused import prepare_dt, prepare_dt_backward
 
-# Each kernel is one body (inlined at numba's IR level, so it compiles with its caller's flags)
-# and two entry points: `parallel=True` for more than one thread, and a serial one that never
-# enters numba's thread pool. One thread is what the benchmarks, the interop path and a busy
-# host run: there an OpenMP pool started by a parallel call waits actively beside torch's
-# threads (measured: 50 ms of CPU after each call, docs/interop.md).
-_opts = {"cache": True, "nogil": True, "error_model": "numpy", "fastmath": {"reassoc", "contract"}}
-if njit is not None:
-    _body = njit(inline="always", **_opts)
-    _serial, _parallel = njit(**_opts), njit(parallel=True, **_opts)
-else:
-    prange = range
-    _body = _serial = _parallel = lambda fn: fn
+# Each kernel is a `cpu_simd.parallel_kernel`: at one worker its serial twin runs, which never
+# starts numba's thread pool (cpu_simd says why that matters on a busy host).
+_kernel = (lambda fn: fn) if parallel_kernel is None else parallel_kernel(
+    cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
 
 SEGMENT = 64    # steps between saved states: the checkpoints hold what the chunked form's block
                # states hold (L / 64 states); 8-64 measured within noise of each other
 
 
-@_body
-def _forward_body(x, dte, A, B, C, starts, init, Dm, z, T, out, ypre, ck, final):
+@_kernel
+def _forward(x, dte, A, B, C, starts, init, Dm, z, T, out, ypre, ck, final):
     """out (and ypre = y before the gate, when z is given), the checkpoints ck and the final
     state. init (b, h, p, n) or empty; Dm (h, p); z empty without a gate; starts (b, L) int8."""
     nb, L, h, p = x.shape
@@ -116,8 +106,8 @@ def _forward_body(x, dte, A, B, C, starts, init, Dm, z, T, out, ypre, ck, final)
             final[bi, hd] = S
 
 
-@_body
-def _backward_body(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T,
+@_kernel
+def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T,
                    dx, ddte, dAp, dB, dC, dDp, dz, dinit):
     """Gradients: dx, ddte (of the prepared dt), dAp (b, h) partials of dA, dB and dC
     (written whole), dDp (b, h, p) partials of D per channel, dz (gated), dinit (b, h, p, n).
@@ -213,28 +203,8 @@ def _backward_body(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T,
             dinit[bi, hd] = Gs
 
 
-@_serial
-def _forward_1(x, dte, A, B, C, starts, init, Dm, z, T, out, ypre, ck, final):
-    _forward_body(x, dte, A, B, C, starts, init, Dm, z, T, out, ypre, ck, final)
-
-
-@_parallel
-def _forward_n(x, dte, A, B, C, starts, init, Dm, z, T, out, ypre, ck, final):
-    _forward_body(x, dte, A, B, C, starts, init, Dm, z, T, out, ypre, ck, final)
-
-
-@_serial
-def _backward_1(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T, dx, ddte, dAp, dB, dC, dDp, dz, dinit):
-    _backward_body(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T, dx, ddte, dAp, dB, dC, dDp, dz, dinit)
-
-
-@_parallel
-def _backward_n(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T, dx, ddte, dAp, dB, dC, dDp, dz, dinit):
-    _backward_body(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T, dx, ddte, dAp, dB, dC, dDp, dz, dinit)
-
-
 def available() -> bool:
-    return njit is not None
+    return parallel_kernel is not None
 
 
 def _np(t):
@@ -243,18 +213,6 @@ def _np(t):
 
 def _empty(ct, ndim):
     return np.empty((0,) * ndim, dtype=np.float32 if ct == torch.float32 else np.float64)
-
-
-def _kernels():
-    """(forward, backward): the serial pair at one torch thread, else the parallel pair with
-    numba's pool at torch's thread count (sonata.kernels.cpu does the same for Mamba-1's
-    kernels; that module sits a layer above this one)."""
-    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    if n == 1:
-        return _forward_1, _backward_1
-    if numba.get_num_threads() != n:
-        numba.set_num_threads(n)
-    return _forward_n, _backward_n
 
 
 def _starts(seq_idx, b, L):
@@ -287,7 +245,7 @@ class SSDRecurrentFunction(torch.autograd.Function):
         ypre = np.empty_like(xs) if z is not None else _empty(ct, 4)
         ck = np.empty((b, -(-L // T), h, p, n), xs.dtype)
         final = np.empty((b, h, p, n), xs.dtype)
-        _kernels()[0](xs, _np(dte), _np(A.to(ct)), Bs, Cs, starts,
+        for_workers(_forward, workers())(xs, _np(dte), _np(A.to(ct)), Bs, Cs, starts,
                  _empty(ct, 4) if init is None else _np(init.to(ct)), _np(Dm), zs, T, out, ypre, ck, final)
         ctx.opts, ctx.T, ctx.starts = opts, T, starts
         ctx.arrays = (xs, _np(dte), Bs, Cs, zs, ypre, ck, _np(Dm))
@@ -308,7 +266,7 @@ class SSDRecurrentFunction(torch.autograd.Function):
         ddte, dAp = np.empty(dte.shape, xs.dtype), np.empty((b, h), xs.dtype)
         dB, dC = np.empty_like(Bs), np.empty_like(Cs)
         dDp, dinit = np.empty((b, h, p), xs.dtype), np.empty((b, h, p, n), xs.dtype)
-        _kernels()[1](xs, dte, _np(A.to(ct)), Bs, Cs, ctx.starts, Dm, zs, ypre, go, df, ck, ctx.T,
+        for_workers(_backward, workers())(xs, dte, _np(A.to(ct)), Bs, Cs, ctx.starts, Dm, zs, ypre, go, df, ck, ctx.T,
                   dx, ddte, dAp, dB, dC, dDp, dz, dinit)
         T = torch.from_numpy
         with torch.autocast("cpu", enabled=False):
