@@ -17,7 +17,7 @@ the same jobs in turn (which goes first alternates): "transformers" is transform
 path; "with sonata" calls `sonata.interop.mamba_ssm.install()` before importing transformers
 (every family's mamba_ssm / causal_conv1d ops resolve to sonata's) and `accelerate()`s the
 models it applies to (Mamba, Mamba2: fused mixers, sonata's decoding loop with transformers'
-logits processors). Per family (Mamba, Mamba2, Bamba; GraniteMoeHybrid with --families) and
+logits processors; Bamba, GraniteMoeHybrid: that loop with `hf_hybrid.HybridDecoder`). Per family (Mamba, Mamba2, Bamba; GraniteMoeHybrid with --families) and
 size (seed: 96 wide, batch 8 x 128; m2-130m: 768 wide, Mamba-2 24 heads of 64, N 128, batch
 1 x L for L in --lengths, Mamba-1 at --mamba1-lengths): a training step (forward, backward,
 Adam) and a prompt pass (forward with a cache, no grad) in tokens/s, generation (batch 1,
@@ -172,7 +172,7 @@ def _rss_mb(field):
 def _worker(conn, use_sonata, threads, clock):
     """One process, with or without sonata: the shim installed before transformers is imported
     (so every family's Mamba-2 / Mamba-1 ops resolve to sonata's), and `accelerate` on the models
-    it applies to (Mamba, Mamba2). Runs the jobs sent to it, one at a time."""
+    it applies to (Mamba, Mamba2; generation of Bamba, GraniteMoeHybrid). Runs the jobs sent to it, one at a time."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     torch.set_num_threads(threads)
     if use_sonata:
@@ -189,7 +189,7 @@ def _worker(conn, use_sonata, threads, clock):
                 from sonata.interop.hf_accelerate import accelerate
                 try:
                     accelerate(model)
-                except SonataError:            # a hybrid: the shim's ops alone
+                except SonataError:            # a model accelerate does not take: the shim's ops alone
                     pass
             held[folder] = (model, torch.optim.Adam(model.parameters(), lr=1e-5))
         model, opt = held[folder]

@@ -27,6 +27,13 @@ The model keeps its weights, its modules and its API; two things change, in plac
   the same draws from the same global generator), its eos and pad rule, its stopping
   criteria (max length, max time, eos, stop strings, custom ones), a streamer, and
   `return_dict_in_generate` with `output_scores` / `output_logits` (`cache` is then None).
+- **The Mamba-2 hybrids** (`BambaForCausalLM`, `GraniteMoeHybridForCausalLM`, Granite 4.0-H's
+  layout): only `generate` changes, to the same loop with `hf_hybrid.HybridDecoder` as the
+  decoder (the prompt through the model's own forward, then a lean step per token over the
+  model's weights: Mamba-2 layers on the fused `ssd_step`, attention with its rotary
+  embedding and a key/value buffer, the MLP or the experts). Their mixers' forwards stay
+  transformers'; `sonata.ops.install()` before transformers is imported puts them on
+  sonata's ops (training, the prompt pass).
 
 What stays on transformers' own path (the result is the same, at its speed; never slower than
 transformers alone, since the check is a copy of the generation config): beam search (and
@@ -42,7 +49,6 @@ a mask with zeros, other dtypes and devices.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import types
 
@@ -56,7 +62,8 @@ from sonata.interop.mamba_ssm import (causal_conv1d_fn, mamba_chunk_scan_combine
                                       mamba_split_conv1d_scan_combined)
 from sonata.kernels import selective_scan
 from sonata.kernels.ssd import ssd_step
-from sonata.model.decode import ONE_THREAD_MACS, Decoder
+from sonata.interop.hf_hybrid import HYBRIDS, HybridDecoder, Mamba2Step, hybrid_supported, small_step_threads
+from sonata.model.decode import Decoder
 from sonata.model.lm import MambaLM
 
 MIXERS = ("MambaMixer", "Mamba2Mixer")   # transformers' classes whose forward is replaced
@@ -70,9 +77,10 @@ def accelerate(model):
     """Run a transformers MambaForCausalLM / Mamba2ForCausalLM (or their backbones) on sonata's
     kernels, in place (see the module docstring); returns the model. Calling it again does nothing."""
     mixers = _mixers(model)
-    if not mixers:
+    hybrid = type(model).__name__ in HYBRIDS
+    if not mixers and not hybrid:
         raise SonataError(f"accelerate: {type(model).__name__} has no Mamba mixers (expected transformers' "
-                          f"MambaForCausalLM, Mamba2ForCausalLM or their backbones)")
+                          f"MambaForCausalLM, Mamba2ForCausalLM, their backbones, or {' / '.join(HYBRIDS)})")
     for m in mixers:
         if "forward" not in vars(m):                     # not yet replaced on this instance
             m._sonata_original_forward = m.forward
@@ -85,6 +93,8 @@ def accelerate(model):
 
 
 def is_accelerated(model) -> bool:
+    if type(model).__name__ in HYBRIDS:
+        return "generate" in vars(model)
     mixers = _mixers(model)
     return bool(mixers) and all("forward" in vars(m) for m in mixers)
 
@@ -191,7 +201,19 @@ def fast_generation(model, inputs=None, generation_config=None, **kwargs) -> boo
     if (gc.guidance_scale or 1) != 1 or (gc.return_dict_in_generate
                                          and (gc.output_attentions or gc.output_hidden_states)):
         return False
-    return sonata_lm(model) is not None
+    return decoder_for(model) is not None
+
+
+def decoder_for(model):
+    """batch -> sonata's decoder for `model`, or None where there is none: a model sonata's
+    MambaLM mirrors (`sonata_lm`, then `decoder`), or a Bamba / GraniteMoeHybrid hybrid that
+    `hf_hybrid.HybridDecoder` mirrors (weights read in place, nothing copied)."""
+    lm = sonata_lm(model)
+    if lm is not None:
+        return functools.partial(decoder, lm)
+    if hybrid_supported(model):
+        return functools.partial(HybridDecoder, model)
+    return None
 
 
 def sonata_lm(model) -> MambaLM | None:
@@ -247,78 +269,68 @@ def _generate(self, inputs=None, generation_config=None, **kwargs):
 
 class Mamba2Decoder:
     """Decoding for a MambaLM of Mamba-2 layers (what `Mamba2ForCausalLM` maps to), every state
-    and scratch tensor allocated once: per token and layer, an RMSNorm, in_proj, the conv as a
-    ring buffer (taps rotated to its write position, as sonata's Mamba-1 `TorchDecoder`), the
-    fused `ssd_step` (decay, state update, C read-out, D skip and the silu(z) gate; called on
-    detached tensors, so it takes its numba path), the grouped RMSNorm and out_proj into the
-    residual. `Mamba2Mixer.step` (sonata's model) is its reference; the tests compare ids."""
+    and scratch tensor allocated once: per token and layer, an RMSNorm, then `hf_hybrid.Mamba2Step`
+    (in_proj, the conv as a ring buffer, the fused `ssd_step` on detached tensors, so its numba
+    path, the grouped RMSNorm and out_proj) into the residual. `Mamba2Mixer.step` (sonata's
+    model) is its reference; the tests compare them."""
 
     def __init__(self, model: MambaLM, batch: int):
         c = model.cfg
-        d, di, k, h, g, n = c.d_model, c.d_inner, c.d_conv, c.nheads, c.ngroups, c.d_state
-        self.model, self.k, self.pos, self.b = model, k, 0, batch
-        self.dims = (di, h, c.headdim, g, n)
-        new = model.embedding.weight.new_zeros
+        self.model, self.k, self.pos, self.b = model, c.d_conv, 0, batch
         self.layers = []
         for layer in model.layers:
             m = layer.mixer
-            cw = m.conv1d.weight.detach()[:, 0, :]                          # (cd, k)
-            self.layers.append(dict(
-                norm=(layer.norm.weight.detach(), layer.norm.eps), in_wt=m.in_proj.weight.detach().t(),
-                conv_w=torch.stack([torch.stack([cw[:, k - 1 - ((s - j) % k)] for j in range(k)])
-                                    for s in range(k)]),                    # (k slots, k, cd)
-                conv_b=m.conv1d.bias.detach(), A=m.A.detach(), D=m.D.detach(), dt_b=m.dt_bias.detach(),
-                gnorm=(m.norm.weight.detach().view(g, di // g), m.norm.eps), out_wt=m.out_proj.weight.detach().t(),
-                conv=new(batch, k, m.conv_dim), ssm=new(batch, h, c.headdim, n)))
-        self.emb, self.head_wt = model.embedding.weight.detach(), model.lm_head.weight.detach().t()
+            d = lambda t: None if t is None else t.detach()  # noqa: E731
+            self.layers.append(((d(layer.norm.weight), layer.norm.eps), Mamba2Step(
+                batch, in_w=d(m.in_proj.weight), in_b=d(m.in_proj.bias), conv_w=d(m.conv1d.weight)[:, 0, :],
+                conv_b=d(m.conv1d.bias), A=d(m.A), D=d(m.D), dt_bias=d(m.dt_bias), norm_w=d(m.norm.weight),
+                norm_eps=m.norm.eps, ngroups=c.ngroups, headdim=c.headdim, d_state=c.d_state,
+                out_w=d(m.out_proj.weight), out_b=d(m.out_proj.bias))))
+        self.emb, self.head = model.embedding.weight.detach(), model.lm_head.weight.detach()
         self.norm_f = (model.norm_f.weight.detach(), model.norm_f.eps)
-        cd = self.layers[0]["conv"].shape[-1]
-        self.h, self.zx = new(batch, d), new(batch, self.layers[0]["in_wt"].shape[1])
-        self.tmp, self.xc, self.g = new(batch, k, cd), new(batch, cd), new(batch, cd)
-        self.logits = new(batch, c.vocab_size)
+        self.h = self.emb.new_zeros(batch, c.d_model)
+        self.macs = batch * c.d_model * self.layers[0][1].in_w.shape[0]
 
-    @contextlib.contextmanager
     def threads(self):
-        """One torch thread while the in_proj work per step is small (sonata's decoders' rule:
-        a waiting OpenMP pool costs milliseconds a step on a busy machine)."""
-        n = torch.get_num_threads()
-        small = self.b * self.h.shape[1] * self.zx.shape[1] < ONE_THREAD_MACS
-        torch.set_num_threads(1 if small else n)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(n)
+        return small_step_threads(self.macs)
 
     @torch.inference_mode()
     def prefill(self, prompt) -> torch.Tensor:
         logits, states = self.model.prefill(prompt)
-        for lw, (conv, ssm) in zip(self.layers, states):
-            lw["conv"].copy_(conv.transpose(1, 2))                          # newest in slot k-1
-            lw["ssm"].copy_(ssm)
+        for (_, step), (conv, ssm) in zip(self.layers, states):
+            step.load(conv, ssm)
         self.pos = 0
-        return self.logits.copy_(logits)
+        return logits
 
     @torch.inference_mode()
     def step(self, idx) -> torch.Tensor:
-        di, nh, p, g, n = self.dims
-        b, h, slot = self.b, self.h, self.pos
+        h, slot = self.h, self.pos
         self.pos = (slot + 1) % self.k
         torch.index_select(self.emb, 0, idx, out=h)
-        z, xBC, dt = self.zx[:, :di], self.zx[:, di:-nh], self.zx[:, -nh:]
-        for lw in self.layers:
-            torch.mm(F.rms_norm(h, h.shape[1:], *lw["norm"]), lw["in_wt"], out=self.zx)
-            lw["conv"][:, slot].copy_(xBC)
-            torch.mul(lw["conv"], lw["conv_w"][slot], out=self.tmp)
-            torch.sum(self.tmp, 1, out=self.xc).add_(lw["conv_b"])
-            torch.sigmoid(self.xc, out=self.g)
-            xc = self.xc.mul_(self.g)                                       # silu
-            x, B, C = xc[:, :di], xc[:, di:di + g * n], xc[:, di + g * n:]
-            y = ssd_step(lw["ssm"], x.reshape(b, nh, p), dt.contiguous(), lw["A"], B.reshape(b, g, n),
-                         C.reshape(b, g, n), D=lw["D"], z=z.reshape(b, nh, p), dt_bias=lw["dt_b"], dt_softplus=True)
-            w, eps = lw["gnorm"]
-            y = F.rms_norm(y.view(b, g, -1), w.shape[1:], eps=eps).mul_(w)  # grouped, after the gate
-            h.addmm_(y.view(b, di), lw["out_wt"])
-        return torch.mm(F.rms_norm(h, h.shape[1:], *self.norm_f), self.head_wt, out=self.logits)
+        for norm, mixer in self.layers:
+            h.add_(mixer(F.rms_norm(h, h.shape[1:], *norm), slot))
+        return F.linear(F.rms_norm(h, h.shape[1:], *self.norm_f), self.head)
+
+
+def _processors(processors):
+    """`processors(ids, scores)` as transformers' LogitsProcessorList calls it without keyword
+    arguments, each processor's signature read once instead of at every step (inspect.signature
+    per processor per token measured 17% of a small hybrid's sampling loop). A list that is not
+    a plain LogitsProcessorList, or a processor asking for more arguments (the list itself
+    then raises its error), is called as it is."""
+    import inspect
+
+    from transformers.generation.logits_process import LogitsProcessorList
+    if type(processors) is not LogitsProcessorList or any(
+            len(inspect.signature(p.__call__).parameters) > 2 for p in processors):
+        return processors
+    chain = list(processors)
+
+    def run(ids, scores):
+        for p in chain:
+            scores = p(ids, scores)
+        return scores
+    return run
 
 
 @torch.no_grad()
@@ -328,8 +340,8 @@ def sonata_sample(model, input_ids, logits_processor, stopping_criteria, generat
     of the model's forward: the same processors, token choice, eos / pad rule, stopping
     criteria and streamer calls, so the same ids from the same generator state."""
     from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
-    lm = sonata_lm(model)
-    if lm is None or model_kwargs.get("attention_mask") is not None or input_ids.device.type != "cpu":
+    make = decoder_for(model)
+    if make is None or model_kwargs.get("attention_mask") is not None or input_ids.device.type != "cpu":
         return GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                        synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
     gc = generation_config
@@ -342,13 +354,14 @@ def sonata_sample(model, input_ids, logits_processor, stopping_criteria, generat
     buf = torch.empty(b, max(T + 1, min(gc.max_length or 0, T + 4096)), dtype=torch.long)
     buf[:, :T] = input_ids
     t, unfinished = T, torch.ones(b, dtype=torch.long)
-    dec = decoder(lm, b)
+    dec = make(b)
+    process = _processors(logits_processor)
     logits = dec.prefill(input_ids)                                      # (b, vocab)
     with dec.threads():
         while True:
             nxt_logits = logits.to(copy=True, dtype=torch.float32)
             ids = buf[:, :t]
-            nxt_scores = logits_processor(ids, nxt_logits)
+            nxt_scores = process(ids, nxt_logits)
             if scores is not None:
                 scores += (nxt_scores,)
             if raw is not None:
@@ -386,4 +399,4 @@ def decoder(lm: MambaLM, batch: int):
     return Decoder(lm, batch)
 
 
-__all__ = ["accelerate", "is_accelerated", "fast_generation", "sonata_lm", "sonata_sample", "decoder", "Mamba2Decoder", "FAST_MODES"]
+__all__ = ["accelerate", "is_accelerated", "fast_generation", "sonata_lm", "sonata_sample", "decoder", "decoder_for", "Mamba2Decoder", "FAST_MODES"]
