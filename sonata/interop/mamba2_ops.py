@@ -53,7 +53,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sonata.kernels import rms_norm_gated
+from sonata.kernels import causal_conv_silu, rms_norm_gated
 from sonata.kernels.reference import compute_dtype
 from sonata.kernels.ssd import ssd, ssd_recurrent_ref, ssd_step
 
@@ -167,8 +167,13 @@ def _split_conv1d(scan, norm, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D,
     if rmsnorm_weight is None and outproj_bias is not None and outproj_weight is None:
         _err("mamba_split_conv1d_scan_combined: outproj_bias without outproj_weight")
     zx0, z, xBC, dt = zxbcdt.split([2 * d_nonssm, dim, conv_dim, nheads], dim=-1)
-    xBC = causal_conv(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, seq_idx, activation)
-    xBC = xBC.transpose(1, 2).contiguous()                                  # (b, l, conv_dim)
+    if (scan is ssd and seq_idx is None and activation in ("silu", "swish") and xBC.dtype == conv1d_weight.dtype
+            and (conv1d_bias is None or conv1d_bias.dtype == xBC.dtype)):
+        # sonata's fused conv + SiLU (numba on the CPU): reads the slice in place, (b, l, conv_dim) out
+        xBC = causal_conv_silu(xBC, conv1d_weight.unsqueeze(1), conv1d_bias)
+    else:
+        xBC = causal_conv(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, seq_idx, activation)
+        xBC = xBC.transpose(1, 2).contiguous()                              # (b, l, conv_dim)
     x, B, C = xBC.split([dim, ngroups * dstate, ngroups * dstate], dim=-1)
     gate = z.reshape(batch, L, nheads, headdim) if rmsnorm_weight is None else None
     y, final = scan(x.reshape(batch, L, nheads, headdim), dt, A, B.reshape(batch, L, ngroups, dstate),

@@ -74,7 +74,7 @@ from sonata.interop.mamba2_ops import (
     selective_state_update_heads,
     selective_state_update_heads_ref,
 )
-from sonata.kernels import conv_silu, rms_norm, selective_scan
+from sonata.kernels import causal_conv_silu, conv_silu, rms_norm, selective_scan
 from sonata.kernels.reference import compute_dtype
 
 _ACTIVATIONS = (None, "silu", "swish")
@@ -229,7 +229,14 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
                      final_states_out=None, activation=None):
     """The `causal_conv1d` package's `causal_conv1d_fn` (depthwise causal conv1d, then SiLU when
     activation is 'silu' / 'swish'): PyTorch's conv1d, autograd through it. With seq_idx
-    (batch, L) no tap reads across a packed sequence's start (`mamba2_ops.causal_conv`)."""
+    (batch, L) no tap reads across a packed sequence's start (`mamba2_ops.causal_conv`). The
+    common case (SiLU, no seq_idx or states, x in weight's dtype) runs sonata's fused conv + SiLU
+    (`kernels.causal_conv_silu`, numba on the CPU); its result is (batch, dim, L) with the
+    strides of a (batch, L, dim) tensor."""
+    if (seq_idx is None and initial_states is None and not return_final_states and activation in ("silu", "swish")
+            and x.dim() == 3 and weight.dim() == 2 and x.shape[1] == weight.shape[0] and x.dtype == weight.dtype
+            and (bias is None or bias.dtype == x.dtype)):
+        return causal_conv_silu(x.transpose(1, 2), weight.unsqueeze(1), bias).transpose(1, 2)
     if seq_idx is not None:
         if initial_states is not None or return_final_states:
             raise ValueError("sonata.interop.mamba_ssm: causal_conv1d_fn takes seq_idx without initial_states "
