@@ -30,7 +30,7 @@ INSIDE = {
     "model": [{"quant", "norm", "gpt2"}, {"block", "decode"}, {"mamba", "mamba2", "mamba3", "attention"}, {"lm"}],
     "train": [{"memory", "leak", "plan", "schedule", "tensorboard_log", "record"},
               {"autotune", "distributed", "evaluate", "summary", "update", "stops"}, {"trainer"}],
-    "interop": [{"hf", "mamba2_ops", "mamba_ssm"}, {"hf_accelerate"}],
+    "interop": [{"hf", "hf_hybrid", "mamba2_ops", "mamba_ssm"}, {"hf_accelerate"}],
     "lab": [{"plots", "peers"}, {"timing", "generate"},
             {"bench", "throughput", "race", "dynamics", "selection", "ssd"}, {"speed", "recall"}, {"notebook"}],
     "entry": [{"launch"}, {"__main__"}],
