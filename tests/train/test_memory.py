@@ -146,6 +146,39 @@ def test_leak_detector_reads_a_sawtooth_of_heap_trims_as_flat():
         assert flagged is not None and flagged <= 100, (seed, flagged)
 
 
+# notebook 08's second phase (run of 2026-12-04), the resident set (MiB) after steps 101-150:
+# its stage at length 32,768 (4 x 32,768 tokens a step) from step 101, then 131,072 from 151
+SECOND_PHASE_MIB = [1077, 1085, 1143, 1151, 1151, 801, 859, 891, 899, 949, 1013, 801, 859, 891, 949, 1013, 1025,
+                    801, 885, 949, 961, 1013, 801, 885, 949, 1013, 801, 895, 897, 963, 1015, 1089, 1149, 1179,
+                    1237, 1251, 1251, 1251, 1281, 1289, 1289, 1303, 1303, 1303, 1339, 1347, 1347, 1347, 801, 895]
+
+
+def test_a_stage_s_sawtooth_is_no_leak_and_a_leak_in_it_still_is():
+    """Those readings warned "memory grows 10.0 MiB per step over the last 16 steps (+- 0.92
+    MiB; threshold 8.0 MiB): a leak" at step 148, the first verdict after the stage's 32
+    settling steps, and fell back to 801 MiB a step later: a window of 16 readings caught one
+    rise of the sawtooth (both slopes agree on it). A leak must now also rise, over the window,
+    more than the settling readings swung around their own line (350 MiB here). The same
+    readings with 40 MiB a step added (what keeping a graph at this size costs, and more) are
+    flagged at the first verdict."""
+    from sonata.train.leak import STAGE_SETTLE_STEPS, leak_threshold, swing
+    tokens = 4 * 32768
+
+    def follow(readings):
+        d = LeakDetector()
+        d.follow(700 * MiB, tokens // 2)                  # the stage before
+        return d, [d.follow(int(m), tokens) for m in readings]
+
+    d, warned = follow(v * MiB for v in SECOND_PHASE_MIB[:48])
+    assert d.skip == STAGE_SETTLE_STEPS and d.threshold == leak_threshold(tokens)
+    assert not any(warned)
+    slope, err = trend(d._window())
+    assert slope > d.threshold and slope > 5 * err        # what the slopes alone say (the old warning)
+    assert swing(d.samples[:d.skip]) > 300 * MiB
+    _, warned = follow((v + 40 * i) * MiB for i, v in enumerate(SECOND_PHASE_MIB[:48]))
+    assert warned.index(True) == STAGE_SETTLE_STEPS + 16 - 1
+
+
 def test_the_leak_threshold_grows_with_the_step():
     """256 KiB per step up to 4,096 tokens a step (the seed model's 2,048 keep it), 64 bytes
     per token above: notebook 08's heap settling at 32,768 tokens a step (+0.35 MiB per step
