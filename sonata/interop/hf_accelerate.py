@@ -13,7 +13,8 @@ The model keeps its weights, its modules and its API; two things change, in plac
   transformers' conv-state bookkeeping, then sonata's fused scan with its last state written
   to the cache. `Mamba2Mixer` without a cache: `mamba_split_conv1d_scan_combined` (conv, SSD,
   gated RMSNorm, out_proj; `seq_idx` honoured); with one, the conv bookkeeping, then
-  `mamba_chunk_scan_combined` with its final state written to the cache. Gradients flow to
+  `mamba_chunk_scan_combined` with its final state written to the cache, and the fused gated
+  RMSNorm (`rmsnorm_fn`). Gradients flow to
   every parameter as before.
 - **`model.generate`** keeps transformers' preparation (generation config, special tokens,
   lengths, its own `LogitsProcessorList` and `StoppingCriteriaList`, built from the call as
@@ -59,7 +60,7 @@ import torch.nn.functional as F
 from sonata.core.errors import SonataError
 from sonata.interop.hf import config_from_hf, sonata_state_dict
 from sonata.interop.mamba_ssm import (causal_conv1d_fn, mamba_chunk_scan_combined, mamba_inner_fn,
-                                      mamba_split_conv1d_scan_combined)
+                                      mamba_split_conv1d_scan_combined, rmsnorm_fn)
 from sonata.kernels import selective_scan
 from sonata.kernels.ssd import ssd_step
 from sonata.interop.hf_hybrid import HYBRIDS, HybridDecoder, Mamba2Step, hybrid_supported, small_step_threads
@@ -163,7 +164,9 @@ def _mamba2_forward(self, hidden_states, cache=None, attention_mask=None, **kwar
         C.reshape(b, L, self.n_groups, -1), self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
         dt_limit=tuple(self.time_step_limit), return_final_states=True)
     cache.update_recurrent_state(last, layer_idx=self.layer_idx)
-    return self.out_proj(self.norm(y.reshape(b, L, -1), gate).to(hidden_states.dtype))
+    y = rmsnorm_fn(y.reshape(b, L, -1), self.norm.weight, None, z=gate, eps=self.norm.variance_epsilon,
+                   group_size=self.intermediate_size // self.n_groups, norm_before_gate=False)   # fused
+    return self.out_proj(y.to(hidden_states.dtype))
 
 
 # --------------------------------------------------------------------------- generation
