@@ -181,15 +181,18 @@ def conv_silu(xz, weight, bias, backend="auto"):
     return conv_silu_ref(xz[..., :dim], weight, bias), xz[..., dim:]
 
 
-def causal_conv_silu(x, weight, bias, backend="auto"):
+def causal_conv_silu(x, weight, bias, backend="auto", out_dtype=None):
     """Mamba-2's convolution: x (batch, L, dim), any strides (the xBC slice of in_proj's
     output) -> silu(depthwise causal conv1d(x) + bias), (batch, L, dim); `conv_silu_ref`'s
     semantics. weight (dim, 1, K), bias (dim,) or None. Fused in numba for the `cpu` backend
-    (the output C-contiguous), PyTorch's conv1d + SiLU otherwise."""
+    (the output C-contiguous), PyTorch's conv1d + SiLU otherwise. out_dtype: the output's
+    dtype (None: x's); the fused kernel computes in float32, so a float32 output of bfloat16
+    input skips one rounding and the next kernel's conversion."""
     impl = _fused_cpu(backend, x)
     if impl is not None:
-        return CausalConvSiluFn.apply(impl, x, weight, bias)
-    return conv_silu_ref(x, weight, bias)
+        return CausalConvSiluFn.apply(impl, x, weight, bias, out_dtype)
+    out = conv_silu_ref(x, weight, bias)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def rms_norm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=True, backend="auto"):

@@ -58,22 +58,23 @@ class ConvSiluFn(torch.autograd.Function):
 
 
 class CausalConvSiluFn(torch.autograd.Function):
-    """u = CausalConvSiluFn.apply(impl, x, weight, bias): a backend's fused depthwise causal
-    conv + SiLU over all of x's channels, (batch, L, dim) in and out (Mamba-2's conv over x, B,
-    C; causal_conv_silu_forward(x, weight, bias) -> u; causal_conv_silu_backward(du, x, weight,
-    bias) -> (dx, dweight, dbias)). Saves only the input: the backward recomputes the rest."""
+    """u = CausalConvSiluFn.apply(impl, x, weight, bias, out_dtype): a backend's fused depthwise
+    causal conv + SiLU over all of x's channels, (batch, L, dim) in and out (Mamba-2's conv over
+    x, B, C; causal_conv_silu_forward(x, weight, bias, out_dtype) -> u in out_dtype (None: x's);
+    causal_conv_silu_backward(du, x, weight, bias) -> (dx, dweight, dbias)). Saves only the
+    input: the backward recomputes the rest."""
 
     @staticmethod
-    def forward(ctx, impl, x, weight, bias):
+    def forward(ctx, impl, x, weight, bias, out_dtype):
         ctx.impl = impl
         ctx.save_for_backward(x, weight, bias)
-        return impl.causal_conv_silu_forward(x, weight, bias)
+        return impl.causal_conv_silu_forward(x, weight, bias, out_dtype)
 
     @staticmethod
     def backward(ctx, du):
         x, weight, bias = ctx.saved_tensors
         dx, dw, db = ctx.impl.causal_conv_silu_backward(du, x, weight, bias)
-        return None, dx, dw, db
+        return None, dx, dw, db, None
 
 
 class RMSNormGatedFn(torch.autograd.Function):

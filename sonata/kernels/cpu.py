@@ -263,10 +263,10 @@ def conv_silu_backward(du, dz, xz, weight, bias):
     return (_as(dxz, xz.dtype), *_conv_param_grads(dw_part, db_part, weight, bias, ct))
 
 
-def causal_conv_silu_forward(x, weight, bias):
+def causal_conv_silu_forward(x, weight, bias, out_dtype=None):
     """x (batch, L, dim), any strides (Mamba-2's xBC slice of in_proj's output) -> silu(depthwise
-    causal conv of x + bias), a C-contiguous (batch, L, dim) tensor in x's dtype. The
-    convolution of `conv_silu_forward` without the gate (any width)."""
+    causal conv of x + bias), a C-contiguous (batch, L, dim) tensor in out_dtype (None: x's).
+    The convolution of `conv_silu_forward` without the gate (any width)."""
     n_workers = workers()
     ct = compute_dtype(x.dtype)
     batch, L, dim = x.shape
@@ -274,7 +274,7 @@ def causal_conv_silu_forward(x, weight, bias):
     xa = _np(x, ct)
     for_workers(_conv_silu_forward_kernel, n_workers)(xa, xa, _np(weight.reshape(dim, -1), ct), _optional(bias, ct, (dim,)),
                               n_workers, False, out.numpy(), np.empty((1, 1, 1), dtype=xa.dtype))
-    return _as(out, x.dtype)
+    return _as(out, out_dtype or x.dtype)
 
 
 def causal_conv_silu_backward(dout, x, weight, bias):

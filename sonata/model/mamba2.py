@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from sonata.core.config import ModelConfig
 from sonata.kernels import causal_conv_silu
-from sonata.kernels.ssd import ssd, ssd_step
+from sonata.kernels.ssd import ssd, ssd_packed, ssd_step
 from sonata.model.block import PreNormBlock, dt_bias_init
 from sonata.model.norm import GatedRMSNorm
 from sonata.model.quant import QLinear
@@ -88,10 +88,17 @@ class Mamba2Mixer(nn.Module):
         if state is not None or return_state:
             return self._forward_with_state(u, state)
         c = self.cfg
+        b, L, _ = u.shape
         z, xBC, dt = self._split(self.in_proj(u))
-        xBC = causal_conv_silu(xBC, self.conv1d.weight, self.conv1d.bias, c.backend)  # (b, L, conv_dim)
-        y, _ = self._ssd(xBC, dt)
-        return self.out_proj(self.norm(y, z))
+        # under autocast the convolution hands the SSD float32 (what the fused kernels compute
+        # in): no rounding to bfloat16 and back between them, and the SSD's output and
+        # gradients stay float32 up to the norm; ssd_packed's backward writes one gradient
+        # for the packed x, B, C
+        keep = torch.float32 if torch.is_autocast_enabled(u.device.type) else None
+        xBC = causal_conv_silu(xBC, self.conv1d.weight, self.conv1d.bias, c.backend, out_dtype=keep)
+        y = ssd_packed(xBC, dt, self.A, c.headdim, c.ngroups, c.d_state, chunk_size=c.chunk_size,
+                       D=self.D.float(), dt_bias=self.dt_bias.float(), dt_softplus=True, backend=c.backend)
+        return self.out_proj(self.norm(y.reshape(b, L, c.d_inner), z))
 
     def _forward_with_state(self, u, state):
         """The layer over u (b, L, d) continuing from `state` (None: zeros), and its new state."""

@@ -632,6 +632,29 @@ def test_causal_conv_silu_matches_reference(nan_empty, shape):
             check_close(label + " (float64)", g_, r_, seed, 1e-12, 1e-12, 1e-12)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_causal_conv_silu_hands_on_float32_when_asked(backend):
+    """out_dtype=float32 on bfloat16 input (the Mamba-2 block under autocast): the fused
+    kernel's float32 result is the float32 convolution of the rounded input (the reference
+    computes in bfloat16: within its rounding), the default bfloat16 output is its rounding,
+    and the input's gradient comes back in bfloat16."""
+    seed = new_seed()
+    g = torch.Generator().manual_seed(seed)
+    proj = torch.randn(2, 40, 3 + 30 + 5, generator=g).to(torch.bfloat16)
+    x = proj[..., 3:33].detach().requires_grad_()
+    w = (torch.randn(30, 1, 4, generator=g) * 0.5).to(torch.bfloat16)
+    b = torch.randn(30, generator=g).to(torch.bfloat16)
+    u32 = causal_conv_silu(x, w, b, backend=backend, out_dtype=torch.float32)
+    assert u32.dtype == torch.float32, seed
+    want = conv_silu_ref(x.detach().float(), w.float(), b.float())
+    tol = 1e-5 if backend == "cpu" else 2e-2
+    check_close("u", u32, want, seed, tol, tol, tol)
+    u16 = causal_conv_silu(x, w, b, backend=backend)
+    assert u16.dtype == torch.bfloat16 and torch.equal(u16, u32.to(torch.bfloat16)), seed
+    (dx,) = torch.autograd.grad(u32.sum(), [x])
+    assert dx.dtype == torch.bfloat16 and dx.shape == x.shape, seed
+
+
 def test_causal_conv_silu_gradcheck_and_mamba1_path_unchanged():
     """Finite differences through the float64 kernel; and conv_silu (Mamba-1's gate-moving
     form of the same kernels) still equals its reference."""

@@ -354,6 +354,49 @@ def _bad(**change):
     return args
 
 
+@pytest.mark.parametrize("n, D, autocast", [(16, "h", False), (64, "hp", False), (32, None, True), (160, "h", False)],
+                         ids=["n16", "n64-Dhp", "n32-autocast", "n160-chunked"])
+def test_the_packed_entry_equals_the_parts_split_off(n, D, autocast):
+    """ssd_packed over [x | B | C] (the Mamba-2 block's conv output) against ssd on the three
+    parts split off: the output and every gradient, the packed input's as one tensor. The
+    fused recurrence runs in place on the packed layout (n <= 128); beyond, the parts go to
+    ssd (the chunked form)."""
+    seed = _seed()
+    b, L, h, p, g = 2, 70, 4, 8, 2
+    gen = torch.Generator().manual_seed(seed)
+    xBC = torch.randn(b, L, h * p + 2 * g * n, generator=gen)
+    dt = torch.randn(b, L, h, generator=gen) * 0.5 - 1.0
+    A = -torch.rand(h, generator=gen).mul(3).exp()
+    Dv = None if D is None else torch.randn(h if D == "h" else (h, p), generator=gen)
+    bias = torch.randn(h, generator=gen) * 0.5
+    W = torch.randn(b, L, h, p, generator=gen)
+
+    def run(packed):
+        leaves = [t.clone().requires_grad_() for t in (xBC, dt, A, bias)] + ([] if Dv is None else [Dv.clone().requires_grad_()])
+        xl, dtl, Al, bl = leaves[:4]
+        Dl = leaves[4] if Dv is not None else None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if packed:
+                out = ssd_pkg.ssd_packed(xl, dtl, Al, p, g, n, chunk_size=32, D=Dl, dt_bias=bl, dt_softplus=True,
+                                         backend="cpu")
+            else:
+                x, B, C = xl.split([h * p, g * n, g * n], dim=-1)
+                out = ssd(x.reshape(b, L, h, p), dtl, Al, B.reshape(b, L, g, n), C.reshape(b, L, g, n), 32, D=Dl,
+                          dt_bias=bl, dt_softplus=True, backend="cpu")
+        return [out, *torch.autograd.grad((out.double() * W).sum(), leaves)]
+
+    got, want = run(True), run(False)
+    assert got[0].shape == (b, L, h, p) and got[1].shape == xBC.shape
+    for name, a, w in zip(["out", "dxBC", "ddt", "dA", "ddt_bias", "dD"], got, want):
+        assert a.dtype == w.dtype, name
+        assert torch.equal(a, w), f"{name} differs: {(a - w).abs().max():.2e} (seed {seed})"
+
+
+def test_the_packed_entry_checks_its_width():
+    with pytest.raises(ValueError, match="not h\\*8"):
+        ssd_pkg.ssd_packed(torch.zeros(1, 4, 8 * 3 + 2 * 16 + 1), torch.zeros(1, 4, 3), -torch.ones(3), 8, 1, 16)
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(x=torch.zeros(2, 10, 32)), "x must be"),
     (dict(dt=torch.zeros(2, 10, 3)), "dt must be"),

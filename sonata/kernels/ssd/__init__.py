@@ -14,6 +14,7 @@ Shapes and meaning are `reference.py`'s. Backends:
              on matrix multiplies beyond (`cpu.py`; the rule: `cpu.prefer_recurrent`)
   triton     fused Triton kernels (`triton.py`; CUDA, or CPU tensors under TRITON_INTERPRET=1)
   auto       triton on CUDA, cpu on CPU
+`ssd_packed` takes the Mamba-2 block's packed [x | B | C] instead (the model's entry).
 When a requested fast path cannot run (triton without a GPU or the interpreter, triton not
 importable, cpu asked for GPU tensors) the next best runs instead (cpu for CPU tensors, the
 reference otherwise) and sonata.kernels' process-wide fallback counter moves, warning once
@@ -27,7 +28,7 @@ import os
 
 import torch
 
-from sonata.kernels.ssd.cpu import ssd_cpu
+from sonata.kernels.ssd.cpu import prefer_recurrent, ssd_cpu
 from sonata.kernels.ssd.reference import ssd_chunked_ref, ssd_recurrent_ref
 from sonata.kernels.ssd.step import ssd_step, ssd_step_ref
 
@@ -136,6 +137,30 @@ def ssd(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=None, initial_sta
                 dt_limit=tuple(dt_limit), return_final_states=return_final_states)
 
 
+def ssd_packed(xBC, dt, A, headdim, ngroups, dstate, chunk_size=64, D=None, dt_bias=None, dt_softplus=False,
+               dt_limit=(0.0, math.inf), backend="auto"):
+    """`ssd` over the Mamba-2 block's packed convolution output xBC (b, l, h*headdim + 2*G*N)
+    = [x | B | C] (the layout of in_proj's xBC slice), no gate, no initial or final state ->
+    out (b, l, h, headdim). Where the cpu backend picks the fused recurrence, one kernel pair
+    reads the three parts in place and writes one packed gradient (`cpu_recurrent.
+    SSDPackedFunction`); elsewhere the parts are split off and `ssd` runs."""
+    b, L, width = xBC.shape
+    gn = ngroups * dstate
+    if headdim < 1 or (width - 2 * gn) % headdim or width - 2 * gn < headdim:
+        raise ValueError(f"ssd_packed: xBC's {width} channels are not h*{headdim} + 2*{gn}")
+    h = (width - 2 * gn) // headdim
+    x, B, C = xBC.split([h * headdim, gn, gn], dim=-1)
+    x, B, C = x.reshape(b, L, h, headdim), B.reshape(b, L, ngroups, dstate), C.reshape(b, L, ngroups, dstate)
+    check_inputs(x, dt, A, B, C, chunk_size, D, None, dt_bias, None, None, dt_limit)
+    name, why = resolve_backend(backend, x)
+    if (name, why) == ("cpu", None) and L > 0 and prefer_recurrent(x, B):
+        from sonata.kernels.ssd.cpu_recurrent import ssd_cpu_recurrent_packed
+        return ssd_cpu_recurrent_packed(xBC, dt, A, (h, headdim, ngroups, dstate), D=D, dt_bias=dt_bias,
+                                        dt_softplus=dt_softplus, dt_limit=dt_limit)
+    return ssd(x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+               dt_limit=dt_limit, backend=backend)
+
+
 __all__ = [
     "BACKENDS",
     "check_inputs",
@@ -143,6 +168,7 @@ __all__ = [
     "ssd",
     "ssd_chunked_ref",
     "ssd_cpu",
+    "ssd_packed",
     "ssd_recurrent_ref",
     "ssd_step",
     "ssd_step_ref",

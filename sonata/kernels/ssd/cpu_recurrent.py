@@ -26,6 +26,17 @@ walks the segments from last to first, recomputes the segment's T states from it
 checkpoint into a per-thread buffer, then runs the reverse step over them (Mamba-1's
 kernels do the same, `sonata/kernels/cpu_scan.py`). T = SEGMENT = 64.
 
+Layout for speed (benchmarks/ssd.py table 3; perf on the 2-core EPYC): the backward keeps
+its per-item buffers (dC_t, dB_t, copies of C_t and B_t, the adjoint, the segment's states)
+as rows of ONE array. LLVM vectorizes each loop over n only after runtime checks that the
+arrays it writes and reads do not overlap; with six arrays those checks, paid per row,
+were 15% of the backward, with one array they mostly go. The ungated and gated dY loops
+are separate loops (a branch inside was computed for both, in float64: 11%). Together
+with the packed entry below, a training step of the seed-size N=64 model is 6-8% faster.
+
+`SSDPackedFunction` is the Mamba-2 block's entry (`ssd.ssd_packed`): it takes the block's
+packed [x | B | C] and writes one packed gradient (no concatenation of three).
+
 Parallel over (batch, group) work items (serial at one thread: `cpu_simd.for_workers`); an item runs its group's heads one after the
 other, so it owns dB and dC of its (batch, group) rows and adds the heads in a fixed order:
 no atomics, bit-identical reruns whatever the thread count. float32 arithmetic (float64 for
@@ -119,14 +130,13 @@ def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T,
     has_df, gated = dfinal.shape[0] > 0, z.shape[0] > 0
     for item in prange(nb * g):
         bi, gi = item // g, item % g
-        buf = np.empty((T + 1, p, n), x.dtype)          # a segment's states, S_{t0-1} first
-        Gs = np.empty((p, n), x.dtype)                  # the adjoint
+        W = np.empty((4 + p + (T + 1) * p, n), x.dtype)  # rows: dC_t, dB_t, C_t, B_t, the adjoint (p), states
+        sb = 4 + p                                       # S_{t0-1+k} row i is W[sb + k * p + i]
         av = np.empty(T, x.dtype)
         Xv = np.empty(p, x.dtype)
         dyv = np.empty(p, x.dtype)
-        dBt = np.empty(n, x.dtype)
-        dCt = np.empty(n, x.dtype)
         zero = np.zeros(1, x.dtype)[0]
+        one = np.ones(1, x.dtype)[0]
         for t in range(L):
             for j in range(n):
                 dB[bi, t, gi, j] = 0
@@ -135,16 +145,16 @@ def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T,
             hd = gi * hg + hh
             Ah = A[hd]
             if has_df:
-                Gs[:, :] = dfinal[bi, hd]
+                W[4:sb, :] = dfinal[bi, hd]
             else:
-                Gs[:, :] = 0
+                W[4:sb, :] = 0
             for i in range(p):
                 dDp[bi, hd, i] = 0
             dA_acc = 0.0
             for c in range(nck - 1, -1, -1):
                 t0 = c * T
                 t1 = min(L, t0 + T)
-                buf[0] = ck[bi, c, hd]
+                W[sb:sb + p, :] = ck[bi, c, hd]
                 for t in range(t0, t1):                 # recompute the segment's states
                     k = t - t0
                     dt = dte[bi, t, hd]
@@ -152,55 +162,56 @@ def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T,
                     if starts[bi, t] != 0:
                         a = zero
                     av[k] = a
-                    Bt = B[bi, t, gi]
                     for i in range(p):
                         Xi = dt * x[bi, t, hd, i]
-                        prev, new = buf[k, i], buf[k + 1, i]
                         for j in range(n):
-                            new[j] = a * prev[j] + Xi * Bt[j]
+                            W[sb + (k + 1) * p + i, j] = a * W[sb + k * p + i, j] + Xi * B[bi, t, gi, j]
                 for t in range(t1 - 1, t0 - 1, -1):     # the reverse step
                     k = t - t0
                     dt = dte[bi, t, hd]
                     a = av[k]
+                    if gated:                   # two loops: a branch inside would be evaluated for both
+                        for i in range(p):
+                            zz = z[bi, t, hd, i]
+                            sg = one / (one + np.exp(-zz))
+                            go = dout[bi, t, hd, i]
+                            dz[bi, t, hd, i] = go * ypre[bi, t, hd, i] * sg * (one + zz * (one - sg))
+                            dyv[i] = go * zz * sg
+                    else:
+                        for i in range(p):
+                            dyv[i] = dout[bi, t, hd, i]
                     for i in range(p):
                         xi = x[bi, t, hd, i]
                         Xv[i] = dt * xi
-                        go = dout[bi, t, hd, i]
-                        if gated:
-                            zz = z[bi, t, hd, i]
-                            sg = 1.0 / (1.0 + np.exp(-zz))
-                            dz[bi, t, hd, i] = go * ypre[bi, t, hd, i] * sg * (1.0 + zz * (1.0 - sg))
-                            dyv[i] = go * zz * sg
-                        else:
-                            dyv[i] = go
                         dDp[bi, hd, i] += dyv[i] * xi
                     for j in range(n):
-                        dBt[j] = 0
-                        dCt[j] = 0
-                    da = zero
+                        W[0, j] = 0
+                        W[1, j] = 0
                     ddt = zero
-                    Bt, Ct = B[bi, t, gi], C[bi, t, gi]
+                    da = zero
+                    for j in range(n):
+                        W[2, j] = C[bi, t, gi, j]
+                        W[3, j] = B[bi, t, gi, j]
                     for i in range(p):
                         dyi, Xi = dyv[i], Xv[i]
-                        Gi, prev, cur = Gs[i], buf[k, i], buf[k + 1, i]
                         accx = zero
                         for j in range(n):
-                            gs = Gi[j] + dyi * Ct[j]
-                            dCt[j] += cur[j] * dyi
-                            accx += gs * Bt[j]
-                            dBt[j] += gs * Xi
-                            da += gs * prev[j]
-                            Gi[j] = gs * a
+                            gs = W[4 + i, j] + dyi * W[2, j]
+                            W[0, j] += W[sb + (k + 1) * p + i, j] * dyi
+                            accx += gs * W[3, j]
+                            W[1, j] += gs * Xi
+                            da += gs * W[sb + k * p + i, j]
+                            W[4 + i, j] = gs * a
                         dx[bi, t, hd, i] = dt * accx + Dm[hd, i] * dyi
                         ddt += x[bi, t, hd, i] * accx
                     for j in range(n):
-                        dB[bi, t, gi, j] += dBt[j]
-                        dC[bi, t, gi, j] += dCt[j]
+                        dB[bi, t, gi, j] += W[1, j]
+                        dC[bi, t, gi, j] += W[0, j]
                     da = da * a
                     ddte[bi, t, hd] = ddt + da * Ah
                     dA_acc += da * dt
             dAp[bi, hd] = dA_acc
-            dinit[bi, hd] = Gs
+            dinit[bi, hd] = W[4:sb]
 
 
 def available() -> bool:
@@ -222,6 +233,77 @@ def _starts(seq_idx, b, L):
     return s.numpy()
 
 
+def _ct(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _forward_into(ctx, x, dt, A, B, C, D, z, dt_bias, init, seq_idx, opts):
+    """The forward kernel over x, B, C (copied contiguous in the compute dtype), saving what
+    the backward reads on ctx -> (out, final) as numpy arrays in the compute dtype."""
+    softplus, limit = opts
+    ct = _ct(x)
+    b, L, h, p = x.shape
+    n = B.shape[3]
+    with torch.autocast("cpu", enabled=False):
+        dte = prepare_dt(dt.to(ct), None if dt_bias is None else dt_bias.to(ct), softplus, limit)
+        Dm = (torch.zeros(h, p, dtype=ct) if D is None
+              else D.to(ct).reshape(h, -1).expand(h, p)).contiguous()
+    T = SEGMENT
+    xs, Bs, Cs = _np(x.to(ct)), _np(B.to(ct)), _np(C.to(ct))
+    zs = _empty(ct, 4) if z is None else _np(z.to(ct))
+    starts = _starts(seq_idx, b, L)
+    out = np.empty_like(xs)
+    ypre = np.empty_like(xs) if z is not None else _empty(ct, 4)
+    ck = np.empty((b, -(-L // T), h, p, n), xs.dtype)
+    final = np.empty((b, h, p, n), xs.dtype)
+    for_workers(_forward, workers())(xs, _np(dte), _np(A.to(ct)), Bs, Cs, starts,
+                                     _empty(ct, 4) if init is None else _np(init.to(ct)), _np(Dm), zs, T,
+                                     out, ypre, ck, final)
+    ctx.opts, ctx.T, ctx.starts = opts, T, starts
+    ctx.arrays = (xs, _np(dte), Bs, Cs, zs, ypre, ck, _np(Dm))
+    return out, final
+
+
+def _backward_into(ctx, dout, dfinal, x, dt, A, D, z, dt_bias, dx, dB, dC):
+    """The backward kernel: writes dx, dB and dC (numpy arrays of x's and B's shapes, any
+    strides: views of one packed gradient are fine) -> (ddt, dA, dD, dz, ddt_bias, dinit) as
+    tensors in the compute dtype (None where the input was None)."""
+    xs, dte, Bs, Cs, zs, ypre, ck, Dm = ctx.arrays
+    softplus, limit = ctx.opts
+    ct = _ct(x)
+    b, L, h, p = xs.shape
+    n = Bs.shape[3]
+    go = np.zeros_like(xs) if dout is None else _np(dout.to(ct))
+    df = _empty(ct, 4) if dfinal is None else _np(dfinal.to(ct))
+    dz = np.empty_like(xs) if z is not None else _empty(ct, 4)
+    ddte, dAp = np.empty(dte.shape, xs.dtype), np.empty((b, h), xs.dtype)
+    dDp, dinit = np.empty((b, h, p), xs.dtype), np.empty((b, h, p, n), xs.dtype)
+    for_workers(_backward, workers())(xs, dte, _np(A.to(ct)), Bs, Cs, ctx.starts, Dm, zs, ypre, go, df, ck,
+                                      ctx.T, dx, ddte, dAp, dB, dC, dDp, dz, dinit)
+    T = torch.from_numpy
+    with torch.autocast("cpu", enabled=False):
+        ddt, ddt_bias = prepare_dt_backward(T(ddte), dt.to(ct), None if dt_bias is None else dt_bias.to(ct),
+                                            softplus, limit)
+        dD = None
+        if D is not None:
+            dDc = T(dDp).sum(0)                                            # (h, p)
+            dD = dDc.sum(1) if D.dim() == 1 else dDc
+        dA = T(dAp).to(torch.float64).sum(0)
+    return ddt, dA, dD, None if z is None else T(dz), ddt_bias, T(dinit)
+
+
+def _view(a, shape):
+    """a reshaped without a copy (setting .shape raises where a copy would be needed: the
+    kernel must write into the packed gradient itself)."""
+    v = a.view()
+    v.shape = shape
+    return v
+
+
+def _like(t, ref):
+    return None if t is None or ref is None else t.to(ref.dtype)
+
+
 class SSDRecurrentFunction(torch.autograd.Function):
     """out, final = SSDRecurrentFunction.apply(x, dt, A, B, C, D, z, dt_bias, init, seq_idx,
     opts) with opts = (softplus, limit). Saves the inputs, the checkpoints and (with z) y
@@ -229,58 +311,50 @@ class SSDRecurrentFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, z, dt_bias, init, seq_idx, opts):
-        softplus, limit = opts
-        ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-        b, L, h, p = x.shape
-        n = B.shape[3]
-        with torch.autocast("cpu", enabled=False):
-            dte = prepare_dt(dt.to(ct), None if dt_bias is None else dt_bias.to(ct), softplus, limit)
-            Dm = (torch.zeros(h, p, dtype=ct) if D is None
-                  else D.to(ct).reshape(h, -1).expand(h, p)).contiguous()
-        T = SEGMENT
-        xs, Bs, Cs = _np(x.to(ct)), _np(B.to(ct)), _np(C.to(ct))
-        zs = _empty(ct, 4) if z is None else _np(z.to(ct))
-        starts = _starts(seq_idx, b, L)
-        out = np.empty_like(xs)
-        ypre = np.empty_like(xs) if z is not None else _empty(ct, 4)
-        ck = np.empty((b, -(-L // T), h, p, n), xs.dtype)
-        final = np.empty((b, h, p, n), xs.dtype)
-        for_workers(_forward, workers())(xs, _np(dte), _np(A.to(ct)), Bs, Cs, starts,
-                 _empty(ct, 4) if init is None else _np(init.to(ct)), _np(Dm), zs, T, out, ypre, ck, final)
-        ctx.opts, ctx.T, ctx.starts = opts, T, starts
-        ctx.arrays = (xs, _np(dte), Bs, Cs, zs, ypre, ck, _np(Dm))
+        out, final = _forward_into(ctx, x, dt, A, B, C, D, z, dt_bias, init, seq_idx, opts)
         ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, init)
         return torch.from_numpy(out).to(x.dtype), torch.from_numpy(final)
 
     @staticmethod
     def backward(ctx, dout, dfinal):
         x, dt, A, B, C, D, z, dt_bias, init = ctx.saved_tensors
-        xs, dte, Bs, Cs, zs, ypre, ck, Dm = ctx.arrays
-        softplus, limit = ctx.opts
-        ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-        b, L, h, p = x.shape
-        n = B.shape[3]
-        go = np.zeros_like(xs) if dout is None else _np(dout.to(ct))
-        df = _empty(ct, 4) if dfinal is None else _np(dfinal.to(ct))
-        dx, dz = np.empty_like(xs), (np.empty_like(xs) if z is not None else _empty(ct, 4))
-        ddte, dAp = np.empty(dte.shape, xs.dtype), np.empty((b, h), xs.dtype)
-        dB, dC = np.empty_like(Bs), np.empty_like(Cs)
-        dDp, dinit = np.empty((b, h, p), xs.dtype), np.empty((b, h, p, n), xs.dtype)
-        for_workers(_backward, workers())(xs, dte, _np(A.to(ct)), Bs, Cs, ctx.starts, Dm, zs, ypre, go, df, ck, ctx.T,
-                  dx, ddte, dAp, dB, dC, dDp, dz, dinit)
+        xs, Bs = ctx.arrays[0], ctx.arrays[2]
+        dx, dB, dC = np.empty_like(xs), np.empty_like(Bs), np.empty_like(Bs)
+        ddt, dA, dD, dz, ddt_bias, dinit = _backward_into(ctx, dout, dfinal, x, dt, A, D, z, dt_bias, dx, dB, dC)
         T = torch.from_numpy
-        with torch.autocast("cpu", enabled=False):
-            ddt, ddt_bias = prepare_dt_backward(T(ddte), dt.to(ct), None if dt_bias is None else dt_bias.to(ct),
-                                                softplus, limit)
-            dD = None
-            if D is not None:
-                dDc = T(dDp).sum(0)                                        # (h, p)
-                dD = (dDc.sum(1) if D.dim() == 1 else dDc).to(D.dtype)
-            dA = T(dAp).to(torch.float64).sum(0).to(A.dtype)
-        return (T(dx).to(x.dtype), ddt.to(dt.dtype), dA, T(dB).to(B.dtype), T(dC).to(C.dtype), dD,
-                None if z is None else T(dz).to(z.dtype),
-                None if dt_bias is None else ddt_bias.to(dt_bias.dtype),
-                None if init is None else T(dinit).to(init.dtype), None, None)
+        return (T(dx).to(x.dtype), ddt.to(dt.dtype), dA.to(A.dtype), T(dB).to(B.dtype), T(dC).to(C.dtype),
+                _like(dD, D), _like(dz, z), _like(ddt_bias, dt_bias), _like(dinit, init), None, None)
+
+
+class SSDPackedFunction(torch.autograd.Function):
+    """out = SSDPackedFunction.apply(xBC, dt, A, D, dt_bias, dims, opts): the recurrence over
+    the Mamba-2 block's packed convolution output xBC (b, L, h p + 2 g n) = [x | B | C], dims
+    = (h, p, g, n), no gate, initial or final state. Its backward writes dx, dB and dC into
+    one packed gradient (the split's gradient would be a concatenation of three)."""
+
+    @staticmethod
+    def forward(ctx, xBC, dt, A, D, dt_bias, dims, opts):
+        h, p, g, n = dims
+        b, L, _ = xBC.shape
+        x, B, C = xBC.split([h * p, g * n, g * n], dim=-1)
+        out, _ = _forward_into(ctx, x.reshape(b, L, h, p), dt, A, B.reshape(b, L, g, n), C.reshape(b, L, g, n),
+                               D, None, dt_bias, None, None, opts)
+        ctx.dims = dims
+        ctx.save_for_backward(xBC, dt, A, D, dt_bias)
+        return torch.from_numpy(out).to(xBC.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        xBC, dt, A, D, dt_bias = ctx.saved_tensors
+        h, p, g, n = ctx.dims
+        b, L, _ = xBC.shape
+        d = np.empty((b, L, h * p + 2 * g * n), ctx.arrays[0].dtype)
+        dx = _view(d[..., :h * p], (b, L, h, p))
+        dB = _view(d[..., h * p:h * p + g * n], (b, L, g, n))
+        dC = _view(d[..., h * p + g * n:], (b, L, g, n))
+        ddt, dA, dD, _, ddt_bias, _ = _backward_into(ctx, dout, None, xBC, dt, A, D, None, dt_bias, dx, dB, dC)
+        return (torch.from_numpy(d).to(xBC.dtype), ddt.to(dt.dtype), dA.to(A.dtype), _like(dD, D),
+                _like(ddt_bias, dt_bias), None, None)
 
 
 def ssd_cpu_recurrent(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=None, initial_states=None,
@@ -290,3 +364,10 @@ def ssd_cpu_recurrent(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=Non
     out, final = SSDRecurrentFunction.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx,
                                             (bool(dt_softplus), limit))
     return (out, final) if return_final_states else out
+
+
+def ssd_cpu_recurrent_packed(xBC, dt, A, dims, D=None, dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf)):
+    """The fused recurrence over the packed xBC (b, L, h p + 2 g n), dims = (h, p, g, n)
+    (`SSDPackedFunction`) -> out (b, L, h, p)."""
+    limit = (float(dt_limit[0]), float(dt_limit[1]))
+    return SSDPackedFunction.apply(xBC, dt, A, D, dt_bias, tuple(int(v) for v in dims), (bool(dt_softplus), limit))
