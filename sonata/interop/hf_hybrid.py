@@ -124,6 +124,7 @@ class _AttentionStep:
         self.nh = self.q_w.shape[0] // self.hd
         self.kvh = self.k_w.shape[0] // self.hd
         self.rope = rope                                  # (inv_freq, attention_scaling) or None
+        self.cos = self.sin = self.q_w.new_zeros(0, 0)    # rotary factors by position (_factors)
         self.keys = self.q_w.new_zeros(batch, self.kvh, capacity, self.hd)
         self.values = torch.zeros_like(self.keys)
         self.t = 0
@@ -144,12 +145,28 @@ class _AttentionStep:
             new[:, :, :self.t].copy_(old[:, :, :self.t])
             setattr(self, name, new)
 
+    def _factors(self, pos):
+        """(cos, sin) at `pos` over the whole head: the rotation is x * cos + x[perm] * sin, with
+        x[perm] swapping the rotated part's halves, cos 1 and sin 0 past it and sin's first half
+        negated (what rotate_half's sign does: the same products, bit for bit). Rows come from
+        tables over the positions that double when passed. The angles are the float32 products
+        pos * inv_freq, as the model's rotary module forms them (its matmul has an inner
+        dimension of one: the same single products)."""
+        if pos >= self.cos.shape[0]:
+            inv_freq, scaling = self.rope
+            r = 2 * inv_freq.shape[0]
+            freqs = torch.arange(max(2 * pos, KV_CAPACITY), dtype=torch.float32)[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos() * scaling, emb.sin() * scaling
+            sin[:, :r // 2].neg_()
+            rows = cos.shape[0]
+            self.cos = torch.cat((cos, cos.new_ones(rows, self.hd - r)), dim=-1)
+            self.sin = torch.cat((sin, sin.new_zeros(rows, self.hd - r)), dim=-1)
+            self.perm = torch.cat((torch.arange(r // 2, r), torch.arange(r // 2), torch.arange(r, self.hd)))
+        return self.cos[pos], self.sin[pos]
+
     def _rotate(self, x, cos, sin):
-        r = cos.shape[-1]
-        xr = x[..., :r]
-        half = torch.cat((-xr[..., r // 2:], xr[..., :r // 2]), dim=-1)
-        x[..., :r] = xr * cos + half * sin
-        return x
+        return x * cos + x.index_select(-1, self.perm) * sin
 
     def __call__(self, u, pos):
         b, hd = self.b, self.hd
@@ -157,10 +174,7 @@ class _AttentionStep:
         k = F.linear(u, self.k_w, self.k_b).view(b, self.kvh, 1, hd)
         v = F.linear(u, self.v_w, self.v_b).view(b, self.kvh, 1, hd)
         if self.rope is not None:
-            inv_freq, scaling = self.rope
-            freqs = torch.tensor([float(pos)]) * inv_freq          # float32, as the model's rotary module
-            emb = torch.cat((freqs, freqs))
-            cos, sin = emb.cos() * scaling, emb.sin() * scaling
+            cos, sin = self._factors(pos)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         if self.t == self.keys.shape[2]:
             self._grow(self.t + 1)

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from sonata.kernels import causal_conv_silu, rms_norm_gated
 from sonata.kernels.reference import compute_dtype
-from sonata.kernels.ssd import ssd, ssd_recurrent_ref, ssd_step
+from sonata.kernels.ssd import ssd, ssd_packed, ssd_recurrent_ref, ssd_step
 
 _INF = float("inf")
 
@@ -174,12 +174,18 @@ def _split_conv1d(scan, norm, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D,
     else:
         xBC = causal_conv(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, seq_idx, activation)
         xBC = xBC.transpose(1, 2).contiguous()                              # (b, l, conv_dim)
-    x, B, C = xBC.split([dim, ngroups * dstate, ngroups * dstate], dim=-1)
     gate = z.reshape(batch, L, nheads, headdim) if rmsnorm_weight is None else None
-    y, final = scan(x.reshape(batch, L, nheads, headdim), dt, A, B.reshape(batch, L, ngroups, dstate),
-                    C.reshape(batch, L, ngroups, dstate), chunk_size=chunk_size, D=D, z=gate, dt_bias=dt_bias,
-                    initial_states=initial_states, seq_idx=seq_idx, dt_softplus=True,
-                    dt_limit=(float(dt_limit[0]), float(dt_limit[1])), return_final_states=True)
+    limit = (float(dt_limit[0]), float(dt_limit[1]))
+    if scan is ssd and gate is None and initial_states is None and seq_idx is None and not return_final_states:
+        # the training path: the packed [x | B | C] into the SSD whole, one gradient back for it
+        y, final = ssd_packed(xBC, dt, A, headdim, ngroups, dstate, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
+                              dt_softplus=True, dt_limit=limit), None
+    else:
+        x, B, C = xBC.split([dim, ngroups * dstate, ngroups * dstate], dim=-1)
+        y, final = scan(x.reshape(batch, L, nheads, headdim), dt, A, B.reshape(batch, L, ngroups, dstate),
+                        C.reshape(batch, L, ngroups, dstate), chunk_size=chunk_size, D=D, z=gate, dt_bias=dt_bias,
+                        initial_states=initial_states, seq_idx=seq_idx, dt_softplus=True, dt_limit=limit,
+                        return_final_states=True)
     y = y.reshape(batch, L, dim)
     if rmsnorm_weight is not None:
         y = norm(y, rmsnorm_weight, None, z=z, eps=rmsnorm_eps, group_size=dim // ngroups,

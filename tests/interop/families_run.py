@@ -70,7 +70,8 @@ def count_kernel_calls():
     for mod, name, key in ((ssd_pkg, "ssd_cpu", "ssd_cpu"), (step, "_step_kernel", "ssd_step_fused"),
                            (m1, "selective_scan", "selective_scan"), (m1, "conv_silu", "conv_silu"),
                            (m2, "rms_norm_gated", "rms_norm"), (m2, "causal_conv", "split_conv"),
-                           (m2, "causal_conv_silu", "split_conv")):
+                           (m2, "causal_conv_silu", "split_conv"),
+                           (m2, "ssd_packed", "ssd_cpu")):      # the training path's SSD (packed x, B, C)
         f = getattr(mod, name)
 
         def counted(*a, _f=f, _key=key, **k):

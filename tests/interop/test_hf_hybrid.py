@@ -79,7 +79,8 @@ def test_every_step_matches_the_models_forward(name):
 
 def test_the_key_value_buffers_grow(monkeypatch):
     """Keys and values start in a small buffer (here 3 positions) and double when full: a
-    9-token prompt and 10 more tokens give the same logits as the model."""
+    9-token prompt and 10 more tokens give the same logits as the model; the rotary factors'
+    table by position grows past the prompt too (first 18 positions, then 36)."""
     monkeypatch.setattr(hf_hybrid, "KV_CAPACITY", 3)
     model = _model("granite-rope")
     seq = _ids(b=1, T=9, seed=4)
@@ -94,6 +95,24 @@ def test_the_key_value_buffers_grow(monkeypatch):
         got = dec.step(nxt)
     attn = [mx for _, mx, *_ in dec.layers if isinstance(mx, hf_hybrid._AttentionStep)]
     assert attn and attn[0].keys.shape[2] >= 19 and attn[0].t == 19
+    assert attn[0].cos.shape == attn[0].sin.shape == (36, 6)           # head_dim 6
+
+
+def test_the_rotation_is_transformers_bit_for_bit():
+    """The decoder's rotary step (tables by position, one index_select and the signed sin in
+    place of rotate_half) against Bamba's own apply_rotary_pos_emb (partial rotary, half the
+    head): equal bits at the first position, inside the first table and past its growth."""
+    from transformers.models.bamba.modeling_bamba import apply_rotary_pos_emb
+    model = _model("bamba")
+    attn = model.model.layers[1].self_attn
+    step = hf_hybrid._AttentionStep(attn, hf_hybrid._rope(model), 2, 8)
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 4, 1, attn.head_dim, generator=g), torch.randn(2, 2, 1, attn.head_dim, generator=g)
+    for pos in (0, 7, 300):
+        cos, sin = model.model.rotary_emb(q, torch.tensor([[pos]]))
+        want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+        c, s = step._factors(pos)
+        assert torch.equal(step._rotate(q, c, s), want_q) and torch.equal(step._rotate(k, c, s), want_k), pos
 
 
 SETTINGS = {

@@ -65,6 +65,10 @@ from sonata.kernels.ssd.cpu_fused import prepare_dt, prepare_dt_backward
 _kernel = (lambda fn: fn) if parallel_kernel is None else parallel_kernel(
     cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
 
+# the backward's work array: these rows, then the adjoint (p rows from _G), then the segment's
+# states (T + 1 blocks of p rows); module constants, so numba compiles them in
+_DC, _DB, _CT, _BT, _G = 0, 1, 2, 3, 4
+
 SEGMENT = 64    # steps between saved states: the checkpoints hold what the chunked form's block
                # states hold (L / 64 states); 8-64 measured within noise of each other
 
@@ -130,8 +134,8 @@ def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T,
     has_df, gated = dfinal.shape[0] > 0, z.shape[0] > 0
     for item in prange(nb * g):
         bi, gi = item // g, item % g
-        W = np.empty((4 + p + (T + 1) * p, n), x.dtype)  # rows: dC_t, dB_t, C_t, B_t, the adjoint (p), states
-        sb = 4 + p                                       # S_{t0-1+k} row i is W[sb + k * p + i]
+        W = np.empty((_G + p + (T + 1) * p, n), x.dtype)  # dC_t, dB_t, C_t, B_t, the adjoint, the states
+        sb = _G + p                                      # S_{t0-1+k} row i is W[sb + k * p + i]
         av = np.empty(T, x.dtype)
         Xv = np.empty(p, x.dtype)
         dyv = np.empty(p, x.dtype)
@@ -145,9 +149,9 @@ def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T,
             hd = gi * hg + hh
             Ah = A[hd]
             if has_df:
-                W[4:sb, :] = dfinal[bi, hd]
+                W[_G:sb, :] = dfinal[bi, hd]
             else:
-                W[4:sb, :] = 0
+                W[_G:sb, :] = 0
             for i in range(p):
                 dDp[bi, hd, i] = 0
             dA_acc = 0.0
@@ -185,33 +189,33 @@ def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T,
                         Xv[i] = dt * xi
                         dDp[bi, hd, i] += dyv[i] * xi
                     for j in range(n):
-                        W[0, j] = 0
-                        W[1, j] = 0
+                        W[_DC, j] = 0
+                        W[_DB, j] = 0
                     ddt = zero
                     da = zero
                     for j in range(n):
-                        W[2, j] = C[bi, t, gi, j]
-                        W[3, j] = B[bi, t, gi, j]
+                        W[_CT, j] = C[bi, t, gi, j]
+                        W[_BT, j] = B[bi, t, gi, j]
                     for i in range(p):
                         dyi, Xi = dyv[i], Xv[i]
                         accx = zero
                         for j in range(n):
-                            gs = W[4 + i, j] + dyi * W[2, j]
-                            W[0, j] += W[sb + (k + 1) * p + i, j] * dyi
-                            accx += gs * W[3, j]
-                            W[1, j] += gs * Xi
+                            gs = W[_G + i, j] + dyi * W[_CT, j]
+                            W[_DC, j] += W[sb + (k + 1) * p + i, j] * dyi
+                            accx += gs * W[_BT, j]
+                            W[_DB, j] += gs * Xi
                             da += gs * W[sb + k * p + i, j]
-                            W[4 + i, j] = gs * a
+                            W[_G + i, j] = gs * a
                         dx[bi, t, hd, i] = dt * accx + Dm[hd, i] * dyi
                         ddt += x[bi, t, hd, i] * accx
                     for j in range(n):
-                        dB[bi, t, gi, j] += W[1, j]
-                        dC[bi, t, gi, j] += W[0, j]
+                        dB[bi, t, gi, j] += W[_DB, j]
+                        dC[bi, t, gi, j] += W[_DC, j]
                     da = da * a
                     ddte[bi, t, hd] = ddt + da * Ah
                     dA_acc += da * dt
             dAp[bi, hd] = dA_acc
-            dinit[bi, hd] = W[4:sb]
+            dinit[bi, hd] = W[_G:sb]
 
 
 def available() -> bool:
