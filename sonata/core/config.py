@@ -46,6 +46,8 @@ class ModelConfig:
     chunk_size: int = 64        # mamba2, mamba3: the SSD's chunk length (the result does not depend on it)
     rope_fraction: float = 0.5  # mamba3: the share of the state rotated by data-dependent angles (0: no rotation)
     trapezoid: bool = True      # mamba3: the exponential-trapezoidal update (false: exponential Euler)
+    tie_embeddings: bool = True # the output head shares the embedding's weight (false: its own, nn.Linear's init)
+    embed_std: float = 0.02     # the embedding's initial standard deviation (mamba_ssm's 0.02; 1.0: unit-variance inputs)
     layers: str = ""            # a hybrid stack, one block per layer: e.g. mamba2,mamba2,attention,mamba2
                                 # (sets n_layers, and arch: the one kind, or hybrid); "": n_layers of arch
 
@@ -140,6 +142,7 @@ class TaskConfig:
     n_data: int = 16            # copying: data tokens per sequence (data.seq_len = noise region + n_data)
     vocab_size: int = 8192      # mqar: keys 1..V/2-1, values V/2..V-1, 0 the filler (8192: the Mamba-2 paper's)
     n_pairs: int = 0            # mqar: key-value pairs per sequence (0: a quarter of each length, the paper's T/4)
+    mix_pairs: bool = False     # mqar: each training batch draws D, D/2, D/4 or D/8 pairs (Zoology's mix); scored at D
     modulus: int = 5            # modsum: tokens 0..m-1, the answer their sum mod m
     running: bool = False       # parity, modsum: the loss at every position (each prefix's answer), not the last only
     curriculum: str = ""        # "L:S,L:S,...,L": S steps at length L, then the next; the last length to the end ("": data.seq_len)
@@ -311,6 +314,10 @@ class Config:
             _check(m.a_param == "log", "model.a_param=direct is the Mamba-1 ablation; mamba2 and mamba3 "
                                        "layers keep A negative by construction (model.a_param=log)")
         _check(m.d_model > 0, "model.d_model must be positive")
+        _check(math.isfinite(m.embed_std) and m.embed_std > 0,
+               f"model.embed_std must be a positive number, not {m.embed_std}")
+        _check(m.arch != "gpt2" or (m.tie_embeddings and m.embed_std == 0.02),
+               "model.tie_embeddings and model.embed_std are sonata models' (model.arch=gpt2 is transformers' GPT-2)")
         _check(m.arch != "attention" or (m.n_heads > 0 and m.d_model % (2 * m.n_heads) == 0),
                f"model.n_heads ({m.n_heads}) must divide model.d_model ({m.d_model}) into heads of even "
                f"width (rotary positions rotate pairs)")

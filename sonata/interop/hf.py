@@ -63,6 +63,9 @@ def hf_family(cfg: ModelConfig) -> str:
     """The transformers model_type a sonata model exports as: "mamba" (every layer Mamba-1) or
     "mamba2" (every layer Mamba-2); a SonataError, in one line, for any other stack."""
     kinds = set(cfg.kinds)
+    if not cfg.tie_embeddings:
+        raise SonataError("cannot export to transformers: this model's head is untied "
+                          "(model.tie_embeddings=false); sonata exports tied models only")
     if len(kinds) == 1 and next(iter(kinds)) in HF_CLASSES:
         return next(iter(kinds))
     raise SonataError(f"cannot export to transformers: model.arch={cfg.arch} ({','.join(cfg.kinds)}) has no "

@@ -53,11 +53,12 @@ class MambaLM(nn.Module):
         self.layers = nn.ModuleList(make_block(cfg, kind) for kind in cfg.kinds)
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps, backend=cfg.backend)
         self.lm_head = QLinear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.embedding.weight                     # tied
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embedding.weight                 # tied
         self._init_weights()
 
     def _init_weights(self) -> None:
-        nn.init.normal_(self.embedding.weight, std=0.02)
+        nn.init.normal_(self.embedding.weight, std=self.cfg.embed_std)
         for layer in self.layers:
             # GPT-2 style rescale of the residual output projections by 1/sqrt(n_layers)
             outs = ([layer.attn.out_proj, layer.mlp[2]] if isinstance(layer, AttentionBlock)

@@ -366,6 +366,36 @@ def test_mqar_evaluation_sets_are_fixed_by_seed_and_length():
     assert not torch.equal(torch.cat(list(task.eval_blocks(range(5), 200, 4)[0]), 1), x)
 
 
+def test_mqar_mixed_training_batches_draw_the_pair_ladder_and_validation_stays_at_d():
+    """task.mix_pairs: each training batch holds D, D/2, D/4 or D/8 pairs (every batch a valid
+    MQAR batch at its count, every count drawn), the same batches again from the same seed, and
+    the evaluation sets unchanged (D pairs); without the switch every batch has D."""
+    mixed, plain = MQAR(256, 0, mix_pairs=True), MQAR(256, 0)
+    assert mixed.pair_ladder(64) == [2, 4, 8, 16] and mixed.pair_ladder(8) == [1, 2] and MQAR(64, 3).pair_ladder(40) == [1, 3]
+    sampler = TaskSampler(mixed, 64, seed=5)
+    counts = []
+    for _ in range(40):
+        x, y = sampler.draw(8)
+        keep = y != IGNORE
+        d = int(keep[0].sum())
+        assert keep.sum(1).tolist() == [d] * 8                              # one count per batch
+        assert (x[:, 2 * d:][~keep[:, 2 * d:]] == MQAR.FILLER).all()
+        for row in range(8):
+            table = dict(zip(x[row, 0:2 * d:2].tolist(), x[row, 1:2 * d:2].tolist()))
+            assert len(table) == d and y[row, keep[row]].tolist() == [table[k] for k in x[row, keep[row]].tolist()]
+        assert keep[0].nonzero().flatten().tolist() == mixed.query_positions(64, d).tolist()
+        counts.append(d)
+    assert set(counts) == {2, 4, 8, 16}
+    again = TaskSampler(MQAR(256, 0, mix_pairs=True), 64, seed=5)
+    assert [int((again.draw(8)[1][0] != IGNORE).sum()) for _ in range(40)] == counts
+    plain_sampler = TaskSampler(plain, 64, seed=5)
+    assert all(int((plain_sampler.draw(8)[1] != IGNORE).sum(1).max()) == 16 for _ in range(5))
+    a, ans_a = mixed.eval_blocks(range(3), 64, seed=2)
+    b, ans_b = plain.eval_blocks(range(3), 64, seed=2)
+    assert torch.equal(torch.cat(list(a), 1), torch.cat(list(b), 1)) and torch.equal(ans_a.target, ans_b.target)
+    assert make_task(make_config({"task.name": "mqar", "task.mix_pairs": True}).task).mix_pairs
+
+
 # ---- state tracking: parity and a modular sum -------------------------------------------------
 
 @pytest.mark.parametrize("task", [Parity(), Parity(running=True), ModularSum(5), ModularSum(7, running=True)],

@@ -136,6 +136,14 @@ def test_cli_export_refuses_positive_direct_A_with_one_error_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: cannot export to transformers")
 
 
+def test_cli_export_refuses_an_untied_head_with_one_error_line(tmp_path):
+    m = _sonata(seed=7, tie_embeddings=False)
+    r = _cli("export", str(_checkpoint(tmp_path, m)), "--hf", str(tmp_path / "out"))
+    assert r.returncode == 2 and not (tmp_path / "out").exists()
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "head is untied (model.tie_embeddings=false)" in lines[0]
+
+
 def test_import_refuses_foreign_folders(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
     with pytest.raises(CheckpointError, match=r"model_type is 'llama'; sonata imports Mamba-1 .* and Mamba-2"):

@@ -15,6 +15,8 @@ def test_a_recall_run_is_the_cpu_grid_point_for_its_steps_with_the_cap(model):
     assert (cfg.task.name, cfg.task.vocab_size, cfg.data.seq_len, cfg.model.n_layers) == ("mqar", 512, 128, 2)
     assert (cfg.model.arch, cfg.model.d_model, cfg.model.d_state) == (model, 32, 32)
     assert (cfg.train.max_steps, cfg.train.max_seconds, cfg.train.seed) == (700, 90.0, 3)
+    # one recipe for every model: fewer pairs mixed into training, unit-variance untied embeddings
+    assert (cfg.task.mix_pairs, cfg.model.tie_embeddings, cfg.model.embed_std) == (True, False, 1.0)
     # constant after warm-up: a cap only ends the run, it does not change the rate of a step
     assert cfg.train.min_lr_ratio == 1.0
 

@@ -127,3 +127,19 @@ print("trained")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "trained", r.stderr[-800:]
+
+
+def test_an_untied_head_decodes_like_the_parallel_forward():
+    """model.tie_embeddings=false: the head is its own weight (moved off the embedding's by
+    _sonata), and the fused step, the torch step and the parallel forward all read it."""
+    m = _sonata(seed=15, tie_embeddings=False, embed_std=1.0)
+    assert m.lm_head.weight is not m.embedding.weight
+    assert not torch.allclose(m.lm_head.weight, m.embedding.weight)
+    idx = _ids(2, 30, seed=6)
+    with torch.no_grad():
+        full = m(idx)
+    for fused in (True, False):
+        dec = Decoder(m, 2, fused=fused)
+        assert (dec.prefill(idx[:, :5]) - full[:, 4]).abs().max().item() < 1e-5
+        for t in range(5, 30):
+            assert (dec.step(idx[:, t]) - full[:, t]).abs().max().item() < 1e-5, (fused, t)

@@ -18,6 +18,32 @@ def test_seed_configuration_has_about_186k_parameters():
     assert m.lm_head.weight is m.embedding.weight
 
 
+def test_the_embedding_init_and_tying_are_settings():
+    """model.embed_std sets the embedding's initial spread; model.tie_embeddings=false gives the
+    head its own weight (nn.Linear's init), a parameter the optimizer sees and moves apart; the
+    defaults are mamba_ssm's (0.02, tied)."""
+    torch.manual_seed(0)
+    tied = MambaLM(ModelConfig(vocab_size=4000))
+    assert tied.lm_head.weight is tied.embedding.weight
+    assert abs(float(tied.embedding.weight.detach().std()) - 0.02) < 0.001
+    torch.manual_seed(0)
+    m = MambaLM(ModelConfig(vocab_size=4000, tie_embeddings=False, embed_std=1.0, backend="reference"))
+    assert m.lm_head.weight is not m.embedding.weight
+    assert abs(float(m.embedding.weight.detach().std()) - 1.0) < 0.02
+    bound = 1 / m.cfg.d_model ** 0.5                                         # nn.Linear's kaiming uniform
+    assert float(m.lm_head.weight.detach().abs().max()) <= bound and float(m.lm_head.weight.detach().std()) > bound / 3
+    assert m.num_params() == tied.num_params() + 4000 * m.cfg.d_model
+    params = [p for g in param_groups(m, 0.1) for p in g["params"]]
+    assert any(p is m.lm_head.weight for p in params) and any(p is m.embedding.weight for p in params)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    idx = torch.randint(0, 4000, (2, 9))
+    F.cross_entropy(m(idx).flatten(0, 1), idx.flatten()).backward()
+    head0, emb0 = m.lm_head.weight.detach().clone(), m.embedding.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(m.lm_head.weight, head0) and not torch.equal(m.embedding.weight, emb0)
+    assert not torch.equal(m.lm_head.weight - head0, m.embedding.weight - emb0)
+
+
 def test_initialisation_follows_the_reference():
     m = _model()
     mix = m.layers[0].mixer
