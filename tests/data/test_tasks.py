@@ -388,6 +388,10 @@ def test_mqar_mixed_training_batches_draw_the_pair_ladder_and_validation_stays_a
     assert set(counts) == {2, 4, 8, 16}
     again = TaskSampler(MQAR(256, 0, mix_pairs=True), 64, seed=5)
     assert [int((again.draw(8)[1][0] != IGNORE).sum()) for _ in range(40)] == counts
+    resumed = TaskSampler(MQAR(256, 0, mix_pairs=True), 64, seed=77)          # from a checkpoint's state
+    resumed.load_state_dict(sampler.state_dict())
+    want, got = sampler.draw(8), resumed.draw(8)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
     plain_sampler = TaskSampler(plain, 64, seed=5)
     assert all(int((plain_sampler.draw(8)[1] != IGNORE).sum(1).max()) == 16 for _ in range(5))
     a, ans_a = mixed.eval_blocks(range(3), 64, seed=2)
