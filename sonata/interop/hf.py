@@ -8,8 +8,9 @@ A directory written by `export_hf` holds:
 
     config.json             model_type "mamba" or "mamba2" and every shape field, use_bias /
                             use_conv_bias (and Mamba-2's n_groups, chunk_size) written explicitly
-    model.safetensors       the weights; the tied embedding is stored once
-                            (backbone.embeddings.weight, no lm_head.weight)
+    model.safetensors       the weights; a tied embedding is stored once
+                            (backbone.embeddings.weight, no lm_head.weight), an untied head
+                            (model.tie_embeddings=false) as lm_head.weight
     generation_config.json  end-of-text id and sonata's default sampling settings
     vocab.json              sonata's compact vocabulary (sonata.data.vocab.Vocab)
     sonata_config.json      the full sonata config (for further training)
@@ -63,9 +64,6 @@ def hf_family(cfg: ModelConfig) -> str:
     """The transformers model_type a sonata model exports as: "mamba" (every layer Mamba-1) or
     "mamba2" (every layer Mamba-2); a SonataError, in one line, for any other stack."""
     kinds = set(cfg.kinds)
-    if not cfg.tie_embeddings:
-        raise SonataError("cannot export to transformers: this model's head is untied "
-                          "(model.tie_embeddings=false); sonata exports tied models only")
     if len(kinds) == 1 and next(iter(kinds)) in HF_CLASSES:
         return next(iter(kinds))
     raise SonataError(f"cannot export to transformers: model.arch={cfg.arch} ({','.join(cfg.kinds)}) has no "
@@ -90,7 +88,7 @@ def hf_config(model: MambaLM, eot_id: int = Vocab.EOT_ID) -> dict:
         "time_step_rank": c.dt_rank_,
         "vocab_size": c.vocab_size,
         "layer_norm_epsilon": c.norm_eps,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": c.tie_embeddings,
         **_hf_common(c, eot_id),           # explicit: their defaults have changed across versions
     }
 
@@ -114,7 +112,7 @@ def _hf_config_mamba2(c: ModelConfig, eot_id: int) -> dict:
         "conv_kernel": c.d_conv,
         "vocab_size": c.vocab_size,
         "layer_norm_epsilon": c.norm_eps,
-        "tie_word_embeddings": True,                     # Mamba2Config's default is False
+        "tie_word_embeddings": c.tie_embeddings,         # explicit: Mamba2Config's default is False
         "rescale_prenorm_residual": False,
         **_hf_common(c, eot_id),
     }
@@ -139,14 +137,17 @@ def _hf_common(c: ModelConfig, eot_id: int) -> dict:
 
 
 def hf_state_dict(model: MambaLM) -> dict[str, torch.Tensor]:
-    """The model's weights under transformers' names, float32, the tied embedding once.
+    """The model's weights under transformers' names, float32, a tied embedding once (an untied
+    head, model.tie_embeddings=false, as lm_head.weight).
     An `a_param=direct` model's A becomes A_log = log(-A); a SonataError if any A >= 0 (or if the
     stack has no transformers class, `hf_family`)."""
     hf_family(model.cfg)
     out = {}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight":
-            continue                                           # tied to the embedding
+            if not model.cfg.tie_embeddings:
+                out[name] = t.detach().to("cpu", torch.float32).contiguous().clone()
+            continue                                           # tied: the embedding, once
         if name.endswith(".A_param"):
             if not bool((t < 0).all()):
                 bad = int((t >= 0).sum())
@@ -354,6 +355,8 @@ def config_from_hf(conf: dict, path="") -> Config:
     m.d_conv = int(conf.get("conv_kernel", 4))
     m.vocab_size = int(need("vocab_size"))
     m.norm_eps = float(conf.get("layer_norm_epsilon", 1e-5))
+    # transformers' defaults: MambaConfig ties the head, Mamba2Config does not
+    m.tie_embeddings = bool(conf.get("tie_word_embeddings", kind == "mamba"))
     m.a_param = "log"
     for ours, theirs in (("dt_min", "time_step_min"), ("dt_max", "time_step_max"), ("dt_init_floor", "time_step_floor")):
         if theirs in conf:                               # initialisation only: kept for the record
@@ -399,7 +402,8 @@ def _mamba2_fields(conf: dict, m: ModelConfig, need, path) -> None:
 def sonata_state_dict(weights: dict[str, torch.Tensor], cfg: Config, conf: dict, path="") -> dict[str, torch.Tensor]:
     """transformers' Mamba or Mamba-2 weights (names as in its state_dict) under MambaLM's names,
     float32 (a float32 tensor is passed through, not copied: `sonata.interop.hf_accelerate` shares
-    storage this way); the tied head checked and set, a missing conv bias (use_conv_bias=false) zero."""
+    storage this way); a tied head checked and set, an untied one (tie_word_embeddings=false)
+    required, a missing conv bias (use_conv_bias=false) zero."""
     sd = {}
     for k, t in weights.items():
         k = k.removeprefix("backbone.").replace("embeddings.", "embedding.", 1)
@@ -407,10 +411,15 @@ def sonata_state_dict(weights: dict[str, torch.Tensor], cfg: Config, conf: dict,
     if "embedding.weight" not in sd:
         raise CheckpointError(f"{path}: no embedding weight (backbone.embeddings.weight)")
     head = sd.pop("lm_head.weight", None)
-    if head is not None and head is not sd["embedding.weight"] and not torch.equal(head, sd["embedding.weight"]):
-        raise CheckpointError(f"{path}: lm_head.weight differs from the embedding; sonata's MambaLM "
-                              f"ties them (tie_word_embeddings must be true)")
-    sd["lm_head.weight"] = sd["embedding.weight"]
+    if not cfg.model.tie_embeddings:
+        if head is None:
+            raise CheckpointError(f"{path}: tie_word_embeddings is false but the weights hold no lm_head.weight")
+        sd["lm_head.weight"] = head
+    elif head is not None and head is not sd["embedding.weight"] and not torch.equal(head, sd["embedding.weight"]):
+        raise CheckpointError(f"{path}: lm_head.weight differs from the embedding, but config.json says "
+                              f"tie_word_embeddings=true")
+    else:
+        sd["lm_head.weight"] = sd["embedding.weight"]
     for i in range(cfg.model.n_layers):                   # use_conv_bias=false: a zero bias is the same
         key, weight = f"layers.{i}.mixer.conv1d.bias", sd.get(f"layers.{i}.mixer.conv1d.weight")
         if key not in sd and not conf.get("use_conv_bias", True) and weight is not None:
@@ -421,7 +430,7 @@ def sonata_state_dict(weights: dict[str, torch.Tensor], cfg: Config, conf: dict,
 def import_hf(path, device="cpu") -> tuple[MambaLM, Vocab | None, Config]:
     """MambaLM (eval mode), its vocabulary (None unless the folder has sonata's) and a Config,
     from a transformers Mamba-1 or Mamba-2 folder: one exported here, a `Mamba2ForCausalLM`'s
-    save_pretrained (tie_word_embeddings=true), or e.g. state-spaces/mamba-130m-hf."""
+    save_pretrained (a tied or an untied head), or e.g. state-spaces/mamba-130m-hf."""
     path = Path(path)
     if not is_hf_dir(path):
         raise CheckpointError(f"{path} is not a transformers model folder (no config.json)")
@@ -446,7 +455,7 @@ def train_overrides(cfg: Config) -> list[str]:
     m = cfg.model
     keys = ["arch", "d_model", "n_layers", "d_state", "expand", "d_conv", "norm_eps"]
     keys += ["headdim", "ngroups", "chunk_size"] if m.arch == "mamba2" else ["dt_rank", "a_param"]
-    out = [f"model.{k}={getattr(m, k)}" for k in keys]
+    out = [f"model.{k}={getattr(m, k)}" for k in keys] + ([] if m.tie_embeddings else ["model.tie_embeddings=false"])
     return out + ([f"data.vocab_size={m.vocab_size}"] if m.vocab_size >= 258 else [])
 
 

@@ -234,15 +234,10 @@ def sonata_lm(model) -> MambaLM | None:
             conf = model.config.to_dict()
             cfg = config_from_hf(conf)
             weights = {k: v.detach() for k, v in model.state_dict().items()}
-            head = weights.pop("lm_head.weight", None)
-            tied = head is None or head.data_ptr() == weights["backbone.embeddings.weight"].data_ptr()
-            sd = sonata_state_dict(weights, cfg, conf)
+            sd = sonata_state_dict(weights, cfg, conf)        # an untied head stays its own tensor
             with torch.device("meta"):
                 lm = MambaLM(cfg.model)
             lm.load_state_dict(sd, assign=True)
-            if not tied:                 # MambaLM ties its head; the decoders read lm_head.weight
-                lm.lm_head = nn.Linear(cfg.model.d_model, cfg.model.vocab_size, bias=False, device="meta")
-                lm.lm_head.weight = nn.Parameter(head, requires_grad=False)
             lm.requires_grad_(False)
             lm.eval()
         except (SonataError, RuntimeError, KeyError, ValueError):

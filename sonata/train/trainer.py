@@ -209,7 +209,13 @@ class Trainer:
     def start_from(self, model_state: dict) -> None:
         """A new run from another run's weights (`train --init`, notebook 08's second phase):
         the model's parameters, nothing else (the optimizer, schedule and data start afresh).
-        Weights of another architecture or shape are a CheckpointError."""
+        Weights of another architecture or shape are a CheckpointError, and so is an untied head
+        loaded into a tied model (it would overwrite the embedding it shares)."""
+        head, emb = model_state.get("lm_head.weight"), model_state.get("embedding.weight")
+        if (self.cfg.model.tie_embeddings and head is not None and emb is not None and head is not emb
+                and not torch.equal(head, emb)):
+            raise CheckpointError("the initial weights have their own output head (untied): train with "
+                                  "model.tie_embeddings=false")
         try:
             self.model.load_state_dict(model_state)
         except (RuntimeError, KeyError) as e:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from sonata.core import checkpoint as ckpt
+from sonata.core.errors import CheckpointError
 from sonata.core.config import ModelConfig, make_config
 from sonata.model.lm import MambaLM
 from sonata.data.tasks import (EVAL_BLOCK, IGNORE, MQAR, MQAR_GRIDS, STATE_TRACKING, InductionHeads,
@@ -285,6 +286,25 @@ def test_cli_init_starts_a_new_run_from_weights(tmp_path):
     r = run_cli("train", "--out", str(tmp_path / "d"), "--init", str(a / "checkpoint.pt"),
                 "--resume", str(a / "checkpoint.pt"))
     _assert_one_error_line(r, "use one")
+
+
+def test_init_from_an_untied_head_needs_an_untied_model():
+    """An untied head loaded into a tied model would overwrite the embedding it shares: refused,
+    naming the setting; the untied model takes the weights, head and embedding each their own."""
+    src = Trainer(make_config(task_overrides("mamba", **{"model.tie_embeddings": False})), None, progress="none")
+    with torch.no_grad():
+        src.model.lm_head.weight.add_(1.0)
+    state = src.model.state_dict()
+    tied = Trainer(make_config(task_overrides("mamba")), None, progress="none")
+    emb = tied.model.embedding.weight.detach().clone()
+    with pytest.raises(CheckpointError, match="train with model.tie_embeddings=false"):
+        tied.start_from(state)
+    assert torch.equal(tied.model.embedding.weight, emb)                    # nothing loaded
+    untied = Trainer(make_config(task_overrides("mamba", **{"model.tie_embeddings": False})), None, progress="none")
+    untied.start_from(state)
+    assert torch.equal(untied.model.lm_head.weight, state["lm_head.weight"])
+    assert torch.equal(untied.model.embedding.weight, state["embedding.weight"])
+    tied.start_from(tied.model.state_dict())                                 # a tied state loads as before
 
 
 # ---- multi-query associative recall (MQAR) ----------------------------------------------------

@@ -136,12 +136,44 @@ def test_cli_export_refuses_positive_direct_A_with_one_error_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: cannot export to transformers")
 
 
-def test_cli_export_refuses_an_untied_head_with_one_error_line(tmp_path):
-    m = _sonata(seed=7, tie_embeddings=False)
-    r = _cli("export", str(_checkpoint(tmp_path, m)), "--hf", str(tmp_path / "out"))
-    assert r.returncode == 2 and not (tmp_path / "out").exists()
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "head is untied (model.tie_embeddings=false)" in lines[0]
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_an_untied_head_exports_loads_in_transformers_and_imports_back(tmp_path, arch):
+    """model.tie_embeddings=false: tie_word_embeddings false and lm_head.weight stored; transformers'
+    model keeps the two apart with sonata's logits; importing the folder gives the same model."""
+    m = _sonata(seed=7, tie_embeddings=False) if arch == "mamba" else _sonata2(seed=7, tie_embeddings=False)
+    assert not torch.allclose(m.lm_head.weight, m.embedding.weight)
+    export_hf(m, _vocab(), tmp_path / "hf")
+    conf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert conf["tie_word_embeddings"] is False
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert {"backbone.embeddings.weight", "lm_head.weight"} <= set(f.keys())
+    hf = _hf(tmp_path / "hf") if arch == "mamba" else _hf2(tmp_path / "hf")
+    assert hf.lm_head.weight.data_ptr() != hf.backbone.embeddings.weight.data_ptr()
+    assert torch.equal(hf.lm_head.weight, m.lm_head.weight)
+    idx = _ids(3, 21)
+    back, _, cfg = import_hf(tmp_path / "hf")
+    assert cfg.model.tie_embeddings is False and back.lm_head.weight is not back.embedding.weight
+    with torch.no_grad():
+        ours, theirs = m(idx), hf(idx).logits
+        assert (ours - theirs).abs().max().item() < 1e-4 and ours.std().item() > 0.1
+        assert torch.equal(back(idx), ours)
+
+
+def test_a_head_that_contradicts_tie_word_embeddings_is_a_clear_error(tmp_path):
+    _sonata(seed=7, tie_embeddings=False).eval()
+    export_hf(_sonata(seed=7, tie_embeddings=False), _vocab(), tmp_path / "untied")
+    conf = json.loads((tmp_path / "untied" / "config.json").read_text())
+    (tmp_path / "untied" / "config.json").write_text(json.dumps({**conf, "tie_word_embeddings": True}))
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from the embedding, but config.json "
+                                              "says tie_word_embeddings=true"):
+        import_hf(tmp_path / "untied")
+    export_hf(_sonata(seed=7), _vocab(), tmp_path / "tied")
+    conf = json.loads((tmp_path / "tied" / "config.json").read_text())
+    (tmp_path / "tied" / "config.json").write_text(json.dumps({**conf, "tie_word_embeddings": False}))
+    r = run_cli("import", str(tmp_path / "tied"), "--out", str(tmp_path / "x.pt"))
+    _assert_one_error_line(r, "tie_word_embeddings is false but the weights hold no lm_head.weight")
+    assert not (tmp_path / "x.pt").exists()
 
 
 def test_import_refuses_foreign_folders(tmp_path):
@@ -386,13 +418,17 @@ def test_cli_import_of_a_transformers_mamba2_trains_and_exports_back(tmp_path):
 def test_train_overrides_rebuild_the_imported_shape_for_both_families(tmp_path):
     """What `import` prints for `train --init`: a default config with those overrides builds a
     model the imported weights load into (strictly), Mamba-1 and Mamba-2."""
-    for m in (_sonata(seed=1, d_conv=3, norm_eps=1e-6), _sonata2(seed=1, d_conv=3, headdim=16, ngroups=4)):
-        export_hf(m, _vocab(), tmp_path / m.cfg.arch)
-        back, _, cfg = import_hf(tmp_path / m.cfg.arch)
+    for i, m in enumerate((_sonata(seed=1, d_conv=3, norm_eps=1e-6), _sonata2(seed=1, d_conv=3, headdim=16, ngroups=4),
+                           _sonata2(seed=1, tie_embeddings=False))):
+        export_hf(m, _vocab(), tmp_path / str(i))
+        back, _, cfg = import_hf(tmp_path / str(i))
         rebuilt = make_config(train_overrides(cfg))
         assert rebuilt.model.arch == m.cfg.arch and rebuilt.data.vocab_size == VOCAB
+        assert rebuilt.model.tie_embeddings == m.cfg.tie_embeddings
         rebuilt.model.vocab_size = rebuilt.data.vocab_size            # what the trainer sets from its vocabulary
-        MambaLM(rebuilt.model).load_state_dict(back.state_dict())
+        fresh = MambaLM(rebuilt.model)
+        fresh.load_state_dict(back.state_dict())
+        assert torch.equal(fresh.lm_head.weight, m.lm_head.weight) and torch.equal(fresh.embedding.weight, m.embedding.weight)
 
 
 def test_cli_export_refuses_stacks_without_a_transformers_class_in_one_line(tmp_path):
@@ -413,7 +449,6 @@ def test_cli_export_refuses_stacks_without_a_transformers_class_in_one_line(tmp_
     (dict(n_groups=3), "n_groups 3 does not divide num_heads 8"),
     (dict(use_bias=True), "use_bias=true"),
     (dict(time_step_limit=(0.0, 0.1)), "time_step_limit [0.0, 0.1] clamps dt"),
-    (dict(tie_word_embeddings=False), "lm_head.weight differs from the embedding"),
 ])
 def test_import_refuses_mamba2_folders_sonata_cannot_represent(tmp_path, change, fragment):
     _random_hf2(tmp_path / "hf", **change)
