@@ -313,12 +313,17 @@ def test_notebook_08_trains_each_architecture_and_scores_it_by_length(tmp_path):
 def test_notebook_10_trains_recall_against_n_and_state_tracking_by_length(tmp_path):
     nb, text = _run("10_recall_and_state.ipynb", tmp_path)
     # MQAR: Mamba-1, -2, -3 at N 4 and 8, attention once; 3 steps each, all reached
-    for run in ("mqar-mamba-n4", "mqar-mamba2-n8", "mqar-mamba3-n4", "mqar-attention", "parity-mamba2",
-                "modsum-mamba3-euler", "parity-mamba3-no-rotation"):
+    for run in ("mqar-mamba-n4", "mqar-mamba2-n8", "mqar-mamba3-n4", "mqar-attention", "mqar-attention-no-recipe",
+                "parity-mamba2", "modsum-mamba3-euler", "parity-mamba3-no-rotation"):
         assert json.loads((tmp_path / "run" / run / "summary.json").read_text())["steps"] == 3, run
-    assert "every run reached its planned steps (7 runs)" in text          # the MQAR table
-    assert "every run reached its planned steps (8 runs)" in text          # state tracking
-    assert "every run reached its planned steps (15 runs)" in text         # the end
+    from sonata.core import checkpoint as ckpt
+    for run, recipe in (("mqar-attention", True), ("mqar-attention-no-recipe", False)):
+        c = ckpt.load(tmp_path / "run" / run / "checkpoint.pt")["config"]
+        assert (c["task"]["mix_pairs"], c["model"]["tie_embeddings"], c["model"]["embed_std"]) == \
+            ((True, False, 1.0) if recipe else (False, True, 0.02)), run
+    assert "every run reached its planned steps (8 runs)" in text          # the MQAR table, the ablation too
+    assert "attention (RoPE), no recipe" in text
+    assert "every run reached its planned steps (16 runs)" in text         # the end
     for line in ("Mamba-2 above Mamba-1 at N=16", "far above Mamba-1 at N=16", "8 (trained)", "32 (4x)",
                  "Mamba-3, trapezoid off (Euler)", "rotating state cos", "steps planned"):
         assert line in text, line

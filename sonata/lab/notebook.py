@@ -216,7 +216,7 @@ RANGES = {
         "mqar_models": ListOf(OneOf(*RECALL_MODELS), 1, len(RECALL_MODELS)),
         "mqar_states": ListOf(Range(4, 128), 1, 4), "mqar_length": Range(8, 256), "mqar_vocab": Range(8, 8192),
         "mqar_d_model": OneOf(16, 32, 64, 128), "mqar_steps": Range(1, 1_000_000),
-        "mqar_cap_s": Range(1, 7200, float), "track_tasks": ListOf(OneOf(*TRACK_TASKS), 1, len(TRACK_TASKS)),
+        "mqar_cap_s": Range(1, 7200, float), "mqar_ablation": OneOf(True, False), "track_tasks": ListOf(OneOf(*TRACK_TASKS), 1, len(TRACK_TASKS)),
         "track_models": ListOf(OneOf(*TRACK_MODELS), 1, len(TRACK_MODELS)), "track_length": Range(4, 1024),
         "track_lengths": ListOf(Range(1, 16384), 1, 10), "track_d_model": OneOf(16, 32, 64, 128),
         "track_d_state": Range(4, 128), "track_layers": Range(1, 4), "track_steps": Range(1, 1_000_000), "track_cap_s": Range(1, 7200, float),

@@ -331,11 +331,14 @@ def recall_by_state(rows: list[dict], title: str = "MQAR accuracy against state 
     `rows` are sonata.lab.recall.recall_runs' (N '-' for attention: a horizontal line)."""
     fig, ax = plt.subplots(figsize=(7, 3.8))
     models = list(dict.fromkeys(r["model"] for r in rows))
+    flat = 0                                             # lines without N: attention, then its ablation
     for name in models:
         pts = sorted((r["N"], r["accuracy"]) for r in rows if r["model"] == name and r["N"] != "-")
         if pts:
             ax.plot(*zip(*pts), "o-", ms=5, label=name)
         for r in rows:
             if r["model"] == name and r["N"] == "-":
-                ax.axhline(r["accuracy"], color="k", ls="--", lw=1, label=f"{name} (no N)")
+                ax.axhline(r["accuracy"], color="k" if flat == 0 else "0.55", ls="--" if flat == 0 else ":",
+                           lw=1, label=f"{name} (no N)")
+                flat += 1
     return _accuracy_axes(fig, ax, "state size N (log2)", "accuracy at the trained length", title)

@@ -68,11 +68,13 @@ def label(name: str) -> str:
 
 
 def recall_overrides(model: str, d_state: int, steps: int, cap_s: float = 0.0, length: int = 64,
-                     d_model: int = 64, vocab: int = 1024, seed: int = 0) -> dict:
+                     d_model: int = 64, vocab: int = 1024, seed: int = 0, recipe: bool = True) -> dict:
     """One MQAR run's config overrides: the CPU grid's point (length, d_model, d_state; 2
-    layers; D = length / 4 pairs) at vocabulary `vocab`, `steps` steps, a cap of `cap_s`."""
+    layers; D = length / 4 pairs) at vocabulary `vocab`, `steps` steps, a cap of `cap_s`;
+    MQAR_RECIPE on top unless `recipe` is false (D pairs alone, mamba_ssm's tied 0.02 embedding)."""
     grid = replace(MQAR_GRIDS["cpu"], vocab_size=vocab)
-    return {**BASE, **MQAR_RECIPE, **grid.overrides(length, d_model, d_state), **MODELS[model][1], "train.seed": seed,
+    return {**BASE, **(MQAR_RECIPE if recipe else {}), **grid.overrides(length, d_model, d_state), **MODELS[model][1],
+            "train.seed": seed,
             "train.max_steps": int(steps), "train.max_seconds": float(cap_s)}
 
 
@@ -104,21 +106,28 @@ def _folder(out_dir, name: str):
     return Path(out_dir) / name if out_dir else None
 
 
+NO_RECIPE = ", no recipe"      # the label suffix of a run without MQAR_RECIPE
+
+
 def recall_runs(models, states, steps: int, cap_s: float = 0.0, length: int = 64, d_model: int = 64,
-                vocab: int = 1024, n_test: int = 128, seed: int = 0, out_dir=None, progress=None) -> list[dict]:
+                vocab: int = 1024, n_test: int = 128, seed: int = 0, out_dir=None, progress=None,
+                ablation: bool = False) -> list[dict]:
     """Train and score MQAR: each SSM of `models` at each state size of `states`, attention once
     (it has no N: its state is every key and value). One row per run: model, N, its steps and
-    seconds (`steps_fields`), params, accuracy on `n_test` fixed sequences of `length`."""
+    seconds (`steps_fields`), params, accuracy on `n_test` fixed sequences of `length`. With
+    `ablation` (and attention among `models`), one more row: attention without MQAR_RECIPE,
+    labelled 'attention (RoPE), no recipe'."""
+    runs = [(model, n, True) for model in models for n in ([None] if model == "attention" else states)]
+    runs += [("attention", None, False)] if ablation and "attention" in models else []
     rows = []
-    for model in models:
-        for n in ([None] if model == "attention" else states):
-            o = recall_overrides(model, n or 16, steps, cap_s, length, d_model, vocab, seed)
-            name = f"mqar-{model}" + (f"-n{n}" if n else "")
-            m, s = train_steps(o, _folder(out_dir, name), progress=progress)
-            task = make_task(make_config(o).task)
-            acc = accuracy_by_length(m, task, [length], n_test, n_test, seed=1234)[0]["accuracy"]
-            rows.append({"model": label(model), "N": n if n else "-", "d_model": d_model, "params": s["params"],
-                         **steps_fields(s), "accuracy": round(acc, 4)})
+    for model, n, recipe in runs:
+        o = recall_overrides(model, n or 16, steps, cap_s, length, d_model, vocab, seed, recipe)
+        name = f"mqar-{model}" + (f"-n{n}" if n else "") + ("" if recipe else "-no-recipe")
+        m, s = train_steps(o, _folder(out_dir, name), progress=progress)
+        task = make_task(make_config(o).task)
+        acc = accuracy_by_length(m, task, [length], n_test, n_test, seed=1234)[0]["accuracy"]
+        rows.append({"model": label(model) + ("" if recipe else NO_RECIPE), "N": n if n else "-",
+                     "d_model": d_model, "params": s["params"], **steps_fields(s), "accuracy": round(acc, 4)})
     return rows
 
 

@@ -17,6 +17,8 @@ def test_a_recall_run_is_the_cpu_grid_point_for_its_steps_with_the_cap(model):
     assert (cfg.train.max_steps, cfg.train.max_seconds, cfg.train.seed) == (700, 90.0, 3)
     # one recipe for every model: fewer pairs mixed into training, unit-variance untied embeddings
     assert (cfg.task.mix_pairs, cfg.model.tie_embeddings, cfg.model.embed_std) == (True, False, 1.0)
+    plain = make_config(recall.recall_overrides(model, 32, 700, 90.0, length=128, d_model=32, vocab=512, recipe=False))
+    assert (plain.task.mix_pairs, plain.model.tie_embeddings, plain.model.embed_std) == (False, True, 0.02)
     # constant after warm-up: a cap only ends the run, it does not change the rate of a step
     assert cfg.train.min_lr_ratio == 1.0
 
@@ -122,6 +124,11 @@ def test_the_runs_return_one_row_per_run_with_its_steps_and_accuracy(tmp_path):
         [("Mamba-2", 4, 2, 2, ""), ("Mamba-2", 8, 2, 2, ""), ("attention (RoPE)", "-", 2, 2, "")]
     assert all(0 <= r["accuracy"] <= 1 for r in rows)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mqar-attention", "mqar-mamba2-n4", "mqar-mamba2-n8"]
+    # the ablation: one more attention row, without the recipe; none when attention is not run
+    rows = recall.recall_runs(["attention"], [4], 2, 0.0, length=16, d_model=16, vocab=16, n_test=4, ablation=True)
+    assert [(r["model"], r["N"], r["steps"]) for r in rows] == [("attention (RoPE)", "-", 2),
+                                                                 ("attention (RoPE), no recipe", "-", 2)]
+    assert len(recall.recall_runs(["mamba2"], [4], 1, 0.0, length=16, d_model=16, vocab=16, n_test=4, ablation=True)) == 1
     runs, acc = recall.track_runs(["parity"], ["mamba3-euler"], 2, 0.0, length=8, test_lengths=[8, 32],
                                   d_model=16, d_state=4, n_test=4)
     assert [(r["task"], r["model"], r["steps"]) for r in runs] == [("parity", "Mamba-3, trapezoid off (Euler)", 2)]
