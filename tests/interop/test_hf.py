@@ -161,7 +161,6 @@ def test_an_untied_head_exports_loads_in_transformers_and_imports_back(tmp_path,
 
 
 def test_a_head_that_contradicts_tie_word_embeddings_is_a_clear_error(tmp_path):
-    _sonata(seed=7, tie_embeddings=False).eval()
     export_hf(_sonata(seed=7, tie_embeddings=False), _vocab(), tmp_path / "untied")
     conf = json.loads((tmp_path / "untied" / "config.json").read_text())
     (tmp_path / "untied" / "config.json").write_text(json.dumps({**conf, "tie_word_embeddings": True}))
