@@ -30,6 +30,7 @@ import torch
 from llvmlite import ir
 from llvmlite.binding import get_host_cpu_features
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from sonata.kernels import numba_cache
@@ -259,3 +260,93 @@ def _softplus_overload(x):
 def _sigmoid(x, one):
     # `one` is 1 in x's dtype: a bare literal would promote float32 arithmetic to float64
     return one / (one + _exp(-x))
+
+
+# --------------------------------------------------------------------------- explicit vectors
+
+# For loops LLVM's vectorizer serves badly, a kernel can emit its vector loop itself: an
+# @intrinsic whose codegen builds the loop from `VectorIR`'s pieces on raw pointers (`addr`).
+# Why: the vectorizer versions each inner loop behind runtime checks that the arrays it
+# writes and reads do not overlap, paid every time the loop starts; where the inner loop is
+# short (one row of d_state) and starts often, the checks and the per-row horizontal sums
+# cost as much as the work (the SSD recurrence's backward, perf on the AVX-512 EPYC). An
+# explicit loop has no checks, and may keep sums in vector registers across rows. Its
+# sums are in a fixed order (a fixed tree for the horizontal ones): bit-identical reruns.
+VECTOR_BITS = _vector_bits()
+
+
+def vector_lanes(dtype) -> int:
+    """Lanes of one explicit vector of `dtype` (float32: 16 with AVX-512, 8 with AVX2)."""
+    return VECTOR_BITS // (8 * np.dtype(dtype).itemsize)
+
+
+@intrinsic
+def addr(typingctx, a, off):
+    """A pointer to element `off` of `a`'s data (counted from its first element, in
+    elements: for a C-contiguous array, its flat index)."""
+    if not isinstance(a, types.Array) or not isinstance(off, types.Integer):
+        return None
+    sig = types.CPointer(a.dtype)(a, off)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.gep(ary.data, [_i64(builder, args[1])])
+    return sig, codegen
+
+
+_I32, _I64 = ir.IntType(32), ir.IntType(64)
+
+
+def _i64(builder, v):
+    return v if v.type.width == 64 else builder.sext(v, _I64)
+
+
+class VectorIR:
+    """Codegen helpers over one vector type: VECTOR_BITS of the scalar type `et` (an LLVM float
+    or double). Offsets are in elements, loads and stores unaligned."""
+
+    def __init__(self, builder, et):
+        self.b = builder
+        self.vt = ir.VectorType(et, VECTOR_BITS // (32 if isinstance(et, ir.FloatType) else 64))
+        self.lanes = ir.Constant(_I64, self.vt.count)
+        self.zero = ir.Constant(self.vt, [0.0] * self.vt.count)
+
+    def i64(self, v):
+        return _i64(self.b, v)
+
+    def _at(self, ptr, off):
+        return self.b.bitcast(self.b.gep(ptr, [off]), self.vt.as_pointer())
+
+    def load(self, ptr, off):
+        return self.b.load(self._at(ptr, off), align=4)
+
+    def store(self, v, ptr, off):
+        self.b.store(v, self._at(ptr, off), align=4)
+
+    def scalar(self, ptr, i):
+        return self.b.load(self.b.gep(ptr, [i]))
+
+    def splat(self, x):
+        v = self.b.insert_element(ir.Constant(self.vt, ir.Undefined), x, ir.Constant(_I32, 0))
+        return self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, self.vt.count), [0] * self.vt.count))
+
+    def fma(self, a, b, c):
+        """a * b + c, fused (llvm.fma on the vector type)."""
+        name = "llvm.fma.v%d%s" % (self.vt.count, "f32" if isinstance(self.vt.element, ir.FloatType) else "f64")
+        fn = self.b.module.globals.get(name) or ir.Function(self.b.module, ir.FunctionType(self.vt, [self.vt] * 3),
+                                                            name)
+        return self.b.call(fn, [a, b, c])
+
+    def hsum(self, v):
+        """The lanes' sum: halves added pairwise (a fixed tree)."""
+        w = self.vt.count
+        while w > 1:
+            h = w // 2
+            lo = self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h))))
+            hi = self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h, w))))
+            v, w = self.b.fadd(lo, hi), h
+        return self.b.extract_element(v, ir.Constant(_I32, 0))
+
+    def var(self, init=None):
+        """A vector variable (an alloca LLVM keeps in a register)."""
+        return cgutils.alloca_once_value(self.b, self.zero if init is None else init)

@@ -39,11 +39,22 @@ from sonata.kernels.ssd.reference import ssd_recurrent_ref
 
 NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 LOOSE = ("dA", "ddt_bias")   # sums over the whole batch and sequence whose terms cancel
-FORMS = ("recurrent", "chunked")
+# the recurrence twice: its explicit vector steps (where d_state is a multiple of the lanes)
+# and the numba loops beside them
+FORMS = ("recurrent", "recurrent-loops", "chunked")
 
 
 def _form(form):
-    """ssd_cpu pinned to one of its two forms."""
+    """ssd_cpu pinned to one of its two forms ("recurrent-loops": the recurrence with its vector
+    steps off; the forward records the choice, so the backward follows it)."""
+    if form == "recurrent-loops":
+        def loops(*a, **k):
+            saved, cpu_recurrent.VECTOR = cpu_recurrent.VECTOR, False
+            try:
+                return ssd_cpu(*a, form="recurrent", **k)
+            finally:
+                cpu_recurrent.VECTOR = saved
+        return loops
     return lambda *a, **k: ssd_cpu(*a, form=form, **k)
 
 
@@ -218,13 +229,13 @@ def test_packed_sequences_equal_the_sequences_run_apart(form):
     f = {k: v.float().requires_grad_() for k, v in t.items()}
     seq = _packed(1, L, cuts[1:-1])
     kw = dict(D=f["D"], dt_bias=f["dt_bias"], dt_softplus=True, return_final_states=True)
-    packed, final = ssd_cpu(f["x"], f["dt"], f["A"], f["B"], f["C"], 32, z=f["z"], seq_idx=seq, form=form,
+    packed, final = _form(form)(f["x"], f["dt"], f["A"], f["B"], f["C"], 32, z=f["z"], seq_idx=seq,
                             initial_states=f["initial_states"], **kw)
     gx_packed, = torch.autograd.grad(packed.sum(), f["x"])
     for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
         sl = slice(a, b)
         x = f["x"].detach()[:, sl].clone().requires_grad_()
-        apart, last = ssd_cpu(x, f["dt"][:, sl], f["A"], f["B"][:, sl], f["C"][:, sl], 32, z=f["z"][:, sl], form=form,
+        apart, last = _form(form)(x, f["dt"][:, sl], f["A"], f["B"][:, sl], f["C"][:, sl], 32, z=f["z"][:, sl],
                               initial_states=f["initial_states"] if i == 0 else None, **kw)
         gx, = torch.autograd.grad(apart.sum(), x)
         assert _rel(packed[:, sl], apart) < 1e-6, f"piece {i} (seed {seed})"
@@ -237,16 +248,16 @@ def test_a_long_sequence_in_pieces_equals_the_whole_with_gradients(form):
     seed = _seed()
     t = _inputs(seed, 2, 500, 2, 16, 1, 16, D="h", bias=True, init=True)
     f = {k: v.float() for k, v in t.items()}
-    kw = dict(D=f["D"], dt_bias=f["dt_bias"], dt_softplus=True, return_final_states=True, form=form)
+    kw = dict(D=f["D"], dt_bias=f["dt_bias"], dt_softplus=True, return_final_states=True)
     x_whole, h_whole = f["x"].clone().requires_grad_(), f["initial_states"].clone().requires_grad_()
-    whole, s_whole = ssd_cpu(x_whole, f["dt"], f["A"], f["B"], f["C"], 64, initial_states=h_whole, **kw)
+    whole, s_whole = _form(form)(x_whole, f["dt"], f["A"], f["B"], f["C"], 64, initial_states=h_whole, **kw)
     (whole.sum() + s_whole.square().sum()).backward()
     x_p, h_p = f["x"].clone().requires_grad_(), f["initial_states"].clone().requires_grad_()
     state, outs = h_p, []
     for a in range(0, 500, 137):
         sl = slice(a, min(a + 137, 500))
-        y, state = ssd_cpu(x_p[:, sl], f["dt"][:, sl], f["A"], f["B"][:, sl], f["C"][:, sl], 64,
-                           initial_states=state, **kw)
+        y, state = _form(form)(x_p[:, sl], f["dt"][:, sl], f["A"], f["B"][:, sl], f["C"][:, sl], 64,
+                               initial_states=state, **kw)
         outs.append(y)
     (torch.cat(outs, 1).sum() + state.square().sum()).backward()
     for what, a, b in [("out", torch.cat(outs, 1), whole), ("final", state, s_whole),
@@ -337,13 +348,14 @@ def test_bfloat16_runs_against_the_oracle_on_rounded_inputs(mode):
 
 @pytest.mark.parametrize("form", FORMS)
 def test_gradcheck_in_float64(form):
-    t = _inputs(1, 1, 9, 2, 3, 1, 4, D="h", z=True, bias=True, init=True)
+    # d_state 8: one float64 vector with AVX-512, two with AVX2 (the recurrence's vector steps)
+    t = _inputs(1, 1, 9, 2, 3, 1, 8, D="h", z=True, bias=True, init=True)
     leaves = [t[k].clone().requires_grad_() for k in NAMES]
     seq = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2]])
 
     def f(x, dt, A, B, C, D, z, bias, h0):
-        return ssd_cpu(x, dt, A, B, C, 4, D=D, z=z, dt_bias=bias, initial_states=h0, seq_idx=seq,
-                       dt_softplus=True, return_final_states=True, form=form)
+        return _form(form)(x, dt, A, B, C, 4, D=D, z=z, dt_bias=bias, initial_states=h0, seq_idx=seq,
+                           dt_softplus=True, return_final_states=True)
     assert torch.autograd.gradcheck(f, leaves)
 
 
@@ -448,6 +460,26 @@ def test_the_fused_step_runs_under_no_grad_for_parameters(monkeypatch):
     assert calls == [1] and _rel(y, want) < 1e-6 and _rel(state, ref_state) < 1e-6
     y = ssd_step(torch.zeros(b, h, p, n), x, dt, A, B, C, D=D, dt_softplus=True)   # grad mode: the reference
     assert calls == [1] and y.requires_grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_vector_steps_run_where_d_state_fills_whole_vectors(dtype):
+    """The recurrence takes its explicit vector steps when d_state is a multiple of the lanes
+    (so the default form above tests them at those sizes) and its loops otherwise; both
+    against the float64 oracle at a d_state of one vector and of one vector plus a lane."""
+    from sonata.kernels.cpu_simd import vector_lanes
+    lanes = vector_lanes(torch.empty(0, dtype=dtype).numpy().dtype)
+    seed = _seed()
+    for n, vec in [(lanes, True), (2 * lanes, True), (lanes + 1, False)]:
+        t = _inputs(seed, 2, 70, 4, 8, 2, n, D="hp", z=True, bias=True, init=True)
+        x, dt, A, B, C = (t[k].to(dtype) for k in ("x", "dt", "A", "B", "C"))
+        out, _ = cpu_recurrent.SSDRecurrentFunction.apply(x.requires_grad_(), dt, A, B, C, None, None, None, None,
+                                                           None, (False, (0.0, math.inf)))
+        assert out.grad_fn.vec is vec, (n, lanes)
+        kw = dict(seq_idx=_packed(2, 70, [33]), softplus=True, seed=seed)
+        want = _run(ssd_recurrent_ref, t, torch.float64, 64, **kw)
+        tol = dict(tol=1e-5, loose=5e-5) if dtype == torch.float32 else dict(tol=1e-11, loose=1e-8)
+        _compare(_run(_form("recurrent"), t, dtype, 64, **kw), want, seed, what=f"n {n}", **tol)
 
 
 def test_the_recurrence_is_bit_identical_serial_and_in_parallel():
