@@ -176,10 +176,14 @@ def _split_conv1d(scan, norm, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D,
         xBC = xBC.transpose(1, 2).contiguous()                              # (b, l, conv_dim)
     gate = z.reshape(batch, L, nheads, headdim) if rmsnorm_weight is None else None
     limit = (float(dt_limit[0]), float(dt_limit[1]))
+    normed = False
     if scan is ssd and gate is None and initial_states is None and seq_idx is None and not return_final_states:
-        # the training path: the packed [x | B | C] into the SSD whole, one gradient back for it
+        # the training path: the packed [x | B | C] into the SSD whole, one gradient back for it,
+        # and the gated norm (gate first, as transformers' Mamba2 calls it) inside its kernels
+        normed = not norm_before_gate
         y, final = ssd_packed(xBC, dt, A, headdim, ngroups, dstate, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
-                              dt_softplus=True, dt_limit=limit), None
+                              dt_softplus=True, dt_limit=limit,
+                              norm=(z, rmsnorm_weight, rmsnorm_eps) if normed else None), None
     else:
         x, B, C = xBC.split([dim, ngroups * dstate, ngroups * dstate], dim=-1)
         y, final = scan(x.reshape(batch, L, nheads, headdim), dt, A, B.reshape(batch, L, ngroups, dstate),
@@ -187,7 +191,7 @@ def _split_conv1d(scan, norm, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D,
                         initial_states=initial_states, seq_idx=seq_idx, dt_softplus=True, dt_limit=limit,
                         return_final_states=True)
     y = y.reshape(batch, L, dim)
-    if rmsnorm_weight is not None:
+    if rmsnorm_weight is not None and not normed:
         y = norm(y, rmsnorm_weight, None, z=z, eps=rmsnorm_eps, group_size=dim // ngroups,
                  norm_before_gate=norm_before_gate)
     if d_nonssm:

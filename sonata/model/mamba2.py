@@ -96,9 +96,11 @@ class Mamba2Mixer(nn.Module):
         # for the packed x, B, C
         keep = torch.float32 if torch.is_autocast_enabled(u.device.type) else None
         xBC = causal_conv_silu(xBC, self.conv1d.weight, self.conv1d.bias, c.backend, out_dtype=keep)
+        # the gated norm goes with the SSD: the fused recurrence computes it in its own kernels
         y = ssd_packed(xBC, dt, self.A, c.headdim, c.ngroups, c.d_state, chunk_size=c.chunk_size,
-                       D=self.D.float(), dt_bias=self.dt_bias.float(), dt_softplus=True, backend=c.backend)
-        return self.out_proj(self.norm(y.reshape(b, L, c.d_inner), z))
+                       D=self.D.float(), dt_bias=self.dt_bias.float(), dt_softplus=True, backend=c.backend,
+                       norm=(z, self.norm.weight, self.norm.eps))
+        return self.out_proj(y)
 
     def _forward_with_state(self, u, state):
         """The layer over u (b, L, d) continuing from `state` (None: zeros), and its new state."""

@@ -404,6 +404,52 @@ def test_the_packed_entry_equals_the_parts_split_off(n, D, autocast):
         assert torch.equal(a, w), f"{name} differs: {(a - w).abs().max():.2e} (seed {seed})"
 
 
+@pytest.mark.parametrize("form", ["recurrent", "recurrent-loops", "chunked"])
+@pytest.mark.parametrize("g, dtype, autocast", [(1, torch.float32, False), (2, torch.float32, False),
+                                                (2, torch.float64, False), (1, torch.float32, True)],
+                         ids=["g1", "g2", "g2-float64", "g1-autocast"])
+def test_the_packed_entry_with_the_gated_norm_equals_the_norm_after_it(g, dtype, autocast, form, monkeypatch):
+    """ssd_packed(norm=(z, weight, eps)), the Mamba-2 block's SSD and gated norm in one (fused
+    into the recurrence's kernels; the chunked form and every other path run rms_norm_gated
+    after ssd), against ssd_packed then rms_norm_gated's reference: the output and the
+    gradients of xBC, dt, A, D, dt_bias, z and the weight; z read in place from a wider
+    projection (strided rows), as the block slices it from in_proj's output."""
+    if form == "chunked":       # the recurrence's size limit is what sends the block to the chunked form
+        monkeypatch.setattr(cpu_mod, "RECURRENT_MAX_N", 0)
+    if form == "recurrent-loops":
+        monkeypatch.setattr(cpu_recurrent, "VECTOR", False)
+    from sonata.kernels import rms_norm_gated_ref
+    seed = _seed()
+    b, L, h, p, n = 2, 70, 4, 8, 16
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s, k=1.0: (torch.randn(*s, generator=gen, dtype=torch.float64) * k).to(dtype)
+    xBC, dt, proj = r(b, L, h * p + 2 * g * n), r(b, L, h, k=0.5) - 1.0, r(b, L, h * p + 9, k=2.0)
+    A = -torch.rand(h, generator=gen, dtype=torch.float64).mul(3).exp().to(dtype)
+    Dv, bias, w = r(h), r(h, k=0.5), 1 + r(h * p, k=0.3)
+    cot = torch.randn(b, L, h * p, generator=gen, dtype=torch.float64)
+
+    def run(fused):
+        leaves = [t.clone().requires_grad_() for t in (xBC, dt, A, Dv, bias, proj, w)]
+        xl, dtl, Al, Dl, bl, pl, wl = leaves
+        z = pl[..., 4:4 + h * p]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            zz = z.bfloat16() if autocast else z
+            kw = dict(chunk_size=32, D=Dl, dt_bias=bl, dt_softplus=True, backend="cpu")
+            if fused:
+                out = ssd_pkg.ssd_packed(xl, dtl, Al, p, g, n, norm=(zz, wl, 1e-5), **kw)
+            else:
+                y = ssd_pkg.ssd_packed(xl, dtl, Al, p, g, n, **kw).reshape(b, L, h * p)
+                out = rms_norm_gated_ref(y.to(dtype), wl, zz.to(dtype), 1e-5, h * p // g, False)
+        return [out, *torch.autograd.grad((out.double() * cot).sum(), leaves)]
+
+    got, want = run(True), run(False)
+    tol = 1e-11 if dtype == torch.float64 else (1e-2 if autocast else 1e-5)
+    for name, a, w_ in zip(["out", "dxBC", "ddt", "dA", "dD", "ddt_bias", "dproj", "dweight"], got, want):
+        assert a.shape == w_.shape, name
+        assert _rel(a, w_) < (10 * tol if name in ("dA", "ddt_bias") else tol), \
+            f"{name}: rel err {_rel(a, w_):.2e} (seed {seed})"
+
+
 def test_the_packed_entry_checks_its_width():
     with pytest.raises(ValueError, match="not h\\*8"):
         ssd_pkg.ssd_packed(torch.zeros(1, 4, 8 * 3 + 2 * 16 + 1), torch.zeros(1, 4, 3), -torch.ones(3), 8, 1, 16)

@@ -114,6 +114,31 @@ def test_gated_norm_is_grouped_and_gates_before_normalising():
         assert torch.allclose(out[:, half], want, atol=1e-6)
 
 
+@pytest.mark.parametrize("ngroups", [1, 2])
+def test_the_cpu_block_computes_its_gated_norm_inside_the_ssd_kernels(ngroups, monkeypatch):
+    """On the cpu backend the block's gated norm runs inside the SSD recurrence's kernels
+    (ssd_packed's norm): rms_norm_gated is never called, and logits and every parameter's
+    gradient equal the block with the norm run after the SSD (ssd.FUSED_NORM off)."""
+    import sonata.kernels as kernels
+    import sonata.kernels.ssd as ssd_pkg
+    calls, real = [], kernels.rms_norm_gated
+    monkeypatch.setattr(kernels, "rms_norm_gated", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    m = model(ngroups=ngroups, d_state=16)
+    idx = torch.randint(0, 40, (3, 70), generator=torch.Generator().manual_seed(2))
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(ssd_pkg, "FUSED_NORM", fused)
+        m.zero_grad()
+        out = m(idx)
+        out.square().mean().backward()
+        runs.append((out.detach(), [p.grad.clone() for p in m.parameters()]))
+        assert len(calls) == (0 if fused else 2), (fused, calls)       # one per layer, unfused
+    (a, ga), (b, gb) = runs
+    assert (a - b).abs().max() < 1e-5
+    for (name, _), x, y in zip(m.named_parameters(), ga, gb):
+        assert torch.allclose(x, y, atol=1e-6, rtol=1e-4), name
+
+
 def test_a_hybrid_stack_mixes_the_block_families_and_keeps_chunked_state():
     cfg = small(layers="mamba2,attention,mamba,mamba2", n_heads=2)
     assert cfg.arch == "hybrid" and cfg.n_layers == 4

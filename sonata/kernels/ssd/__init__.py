@@ -137,13 +137,21 @@ def ssd(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=None, initial_sta
                 dt_limit=tuple(dt_limit), return_final_states=return_final_states)
 
 
+FUSED_NORM = True     # ssd_packed's norm inside the recurrence's kernels (off: rms_norm_gated after it)
+
+
 def ssd_packed(xBC, dt, A, headdim, ngroups, dstate, chunk_size=64, D=None, dt_bias=None, dt_softplus=False,
-               dt_limit=(0.0, math.inf), backend="auto"):
+               dt_limit=(0.0, math.inf), backend="auto", norm=None):
     """`ssd` over the Mamba-2 block's packed convolution output xBC (b, l, h*headdim + 2*G*N)
     = [x | B | C] (the layout of in_proj's xBC slice), no gate, no initial or final state ->
     out (b, l, h, headdim). Where the cpu backend picks the fused recurrence, one kernel pair
     reads the three parts in place and writes one packed gradient (`cpu_recurrent.
-    SSDPackedFunction`); elsewhere the parts are split off and `ssd` runs."""
+    SSDPackedFunction`); elsewhere the parts are split off and `ssd` runs.
+
+    norm = (z, weight, eps): the block's gated norm after it, norm(y * silu(z)) * weight over
+    `ngroups` groups (`GatedRMSNorm`, `rms_norm_gated` with norm_before_gate False) -> (b, l,
+    h*headdim). The fused recurrence computes it in its own kernels (each work item's rows are
+    one group); elsewhere `rms_norm_gated` runs after `ssd`."""
     b, L, width = xBC.shape
     gn = ngroups * dstate
     if headdim < 1 or (width - 2 * gn) % headdim or width - 2 * gn < headdim:
@@ -155,10 +163,19 @@ def ssd_packed(xBC, dt, A, headdim, ngroups, dstate, chunk_size=64, D=None, dt_b
     name, why = resolve_backend(backend, x)
     if (name, why) == ("cpu", None) and L > 0 and prefer_recurrent(x, B):
         from sonata.kernels.ssd.cpu_recurrent import ssd_cpu_recurrent_packed
-        return ssd_cpu_recurrent_packed(xBC, dt, A, (h, headdim, ngroups, dstate), D=D, dt_bias=dt_bias,
-                                        dt_softplus=dt_softplus, dt_limit=dt_limit)
-    return ssd(x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
-               dt_limit=dt_limit, backend=backend)
+        y = ssd_cpu_recurrent_packed(xBC, dt, A, (h, headdim, ngroups, dstate), D=D, dt_bias=dt_bias,
+                                     dt_softplus=dt_softplus, dt_limit=dt_limit, norm=norm if FUSED_NORM else None)
+        if norm is None or FUSED_NORM:
+            return y
+    else:
+        y = ssd(x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                dt_limit=dt_limit, backend=backend)
+    if norm is None:
+        return y
+    from sonata.kernels import rms_norm_gated
+    z, weight, eps = norm
+    return rms_norm_gated(y.reshape(b, L, h * headdim), weight, z, eps, h * headdim // ngroups,
+                          norm_before_gate=False, backend=backend)
 
 
 __all__ = [

@@ -67,7 +67,9 @@ try:
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    from sonata.kernels.cpu_simd import VectorIR, addr, for_workers, parallel_kernel, vector_lanes, workers
+    from numba import njit
+
+    from sonata.kernels.cpu_simd import VectorIR, _sigmoid, addr, for_workers, parallel_kernel, vector_lanes, workers
 except ImportError:         # no numba: the chunked form runs (prefer_recurrent says no)
     prange = range
     parallel_kernel = None
@@ -184,11 +186,84 @@ if parallel_kernel is not None:
         return sig, codegen
 
 
+# The Mamba-2 block's gated norm fused in (SSDPackedNormFunction): its groups are the items'
+# head groups (d_inner / ngroups channels), so an item normalises its own rows once its heads
+# are done, and its backward starts from them, while they are in cache; no separate kernel,
+# no torch glue around one. Gate first, as the block: v = y silu(z), out = v r w with
+# r = 1 / sqrt(mean(v^2) + eps); backward with gn = dyn w: dv = r gn - v r^3 mean(gn v),
+# dy = dv silu(z), dz = dv y silu'(z), dw = sum over rows of dyn v r (`cpu_norm`'s formulas).
+# Called, not inlined: inlined into the recurrence's kernels its loops ran 3-4x slower (0.8 ms
+# a layer's forward against 0.2 ms alone, the seed model's N=64 layer).
+if parallel_kernel is not None:
+    @njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
+    def _norm_forward_rows(y, nz, nw, eps, bi, gi, cg, yn, rstd):
+        """yn[bi, :, group gi] and rstd[bi, :, gi] from y (b, L, h, p) and nz (b, L, h p)."""
+        nb, L, h, p = y.shape
+        y3 = y.reshape(nb, L, h * p)                   # C-contiguous views: the loops vectorize
+        one = np.ones(1, y.dtype)[0]
+        e, inv = y.dtype.type(eps), one / y.dtype.type(cg)
+        c0, cu = np.uint64(gi * cg), np.uint64(cg)     # unsigned: no negative-index wraparound
+        zr = np.empty(cg, y.dtype)                      # per access (runtime c0 + c: 4x slower)
+        sg = np.empty(cg, y.dtype)
+        v = np.empty(cg, y.dtype)
+        for t in range(L):
+            for c in range(cu):
+                zr[c] = nz[bi, t, c0 + c]
+            for c in range(cu):         # alone: with a sum beside it the exponential's loop
+                sg[c] = _sigmoid(zr[c], one)                    # stayed scalar (3x slower)
+            ss = np.zeros(1, y.dtype)[0]
+            for c in range(cu):
+                vc = y3[bi, t, c0 + c] * zr[c] * sg[c]
+                v[c] = vc
+                ss += vc * vc
+            r = one / np.sqrt(ss * inv + e)
+            rstd[bi, t, gi] = r
+            for c in range(cu):
+                yn[bi, t, c0 + c] = v[c] * r * nw[c0 + c]
+
+    @njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
+    def _norm_backward_rows(y, nz, nw, rstd, dyn, bi, gi, cg, dy, dnz, dnw):
+        """dy[bi, :, group gi's heads] (the SSD's output gradient), dnz likewise, and dnw
+        (cg,) the item's sum of the weight's gradient, from dyn (b, L, h p)."""
+        nb, L, h, p = y.shape
+        y3, dy3 = y.reshape(nb, L, h * p), dy.reshape(nb, L, h * p)
+        one = np.ones(1, y.dtype)[0]
+        inv = one / y.dtype.type(cg)
+        c0, cu = np.uint64(gi * cg), np.uint64(cg)     # unsigned, as above
+        zr = np.empty(cg, y.dtype)
+        sg = np.empty(cg, y.dtype)
+        v = np.empty(cg, y.dtype)
+        gn = np.empty(cg, y.dtype)
+        for c in range(cu):
+            dnw[c] = 0
+        for t in range(L):
+            r = rstd[bi, t, gi]
+            dot = np.zeros(1, y.dtype)[0]
+            for c in range(cu):
+                zr[c] = nz[bi, t, c0 + c]
+            for c in range(cu):
+                sg[c] = _sigmoid(zr[c], one)
+            for c in range(cu):
+                vc = y3[bi, t, c0 + c] * zr[c] * sg[c]
+                v[c] = vc
+                g_ = dyn[bi, t, c0 + c] * nw[c0 + c]
+                gn[c] = g_
+                dot += g_ * vc
+            k = r * r * r * dot * inv
+            for c in range(cu):
+                dv = r * gn[c] - v[c] * k
+                dy3[bi, t, c0 + c] = dv * zr[c] * sg[c]
+                dnz[bi, t, c0 + c] = dv * y3[bi, t, c0 + c] * sg[c] * (one + zr[c] * (one - sg[c]))
+                dnw[c] += dyn[bi, t, c0 + c] * v[c] * r
+
+
 @_kernel
-def _forward(x, dte, A, B, C, starts, init, Dm, z, T, vec, out, ypre, ck, final):
+def _forward(x, dte, A, B, C, starts, init, Dm, z, T, vec, nz, nw, eps, out, ypre, ck, final, yn, rstd):
     """out (and ypre = y before the gate, when z is given), the checkpoints ck and the final
     state. init (b, h, p, n) or empty; Dm (h, p); z empty without a gate; starts (b, L) int8;
-    vec: the explicit vector step (B and C C-contiguous, n a multiple of the lanes)."""
+    vec: the explicit vector step (B and C C-contiguous, n a multiple of the lanes). With nz
+    (b, L, h p, any strides; empty without): the gated norm too, yn = norm(y silu(nz)) nw over
+    each group's h/g heads (`_norm_forward_rows`), rstd (b, L, g) its 1/rms; out keeps y."""
     nb, L, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     hg = h // g
@@ -238,14 +313,18 @@ def _forward(x, dte, A, B, C, starts, init, Dm, z, T, vec, out, ypre, ck, final)
                     else:
                         out[bi, t, hd, i] = y
             final[bi, hd] = S
+        if nz.shape[0] > 0:                             # the item's rows, while in cache
+            _norm_forward_rows(out, nz, nw, eps, bi, gi, hg * p, yn, rstd)
 
 
 @_kernel
-def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T, vec,
-                   dx, ddte, dAp, dB, dC, dDp, dz, dinit):
+def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T, vec, nz, nw, rstd, y, dyn,
+                   dx, ddte, dAp, dB, dC, dDp, dz, dinit, dnz, dnwp):
     """Gradients: dx, ddte (of the prepared dt), dAp (b, h) partials of dA, dB and dC
     (written whole), dDp (b, h, p) partials of D per channel, dz (gated), dinit (b, h, p, n).
-    dfinal (b, h, p, n) or empty."""
+    dfinal (b, h, p, n) or empty. With nz (the forward's gated norm): dyn is the gradient of
+    its output, and the item first writes its rows of dout (y's gradient), dnz and its
+    partial of the norm weight's gradient dnwp (b g, h p / g) (`_norm_backward_rows`)."""
     nb, L, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     hg = h // g
@@ -253,6 +332,8 @@ def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T, vec,
     has_df, gated = dfinal.shape[0] > 0, z.shape[0] > 0
     for item in prange(nb * g):
         bi, gi = item // g, item % g
+        if nz.shape[0] > 0:
+            _norm_backward_rows(y, nz, nw, rstd, dyn, bi, gi, hg * p, dout, dnz, dnwp[item])
         W = np.empty((_G + p + (T + 1) * p, n), x.dtype)  # dC_t, dB_t, C_t, B_t, the adjoint, the states
         sb = _G + p                                      # S_{t0-1+k} row i is W[sb + k * p + i]
         av = np.empty(T, x.dtype)
@@ -377,9 +458,11 @@ def _ct(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _forward_into(ctx, x, dt, A, B, C, D, z, dt_bias, init, seq_idx, opts):
+def _forward_into(ctx, x, dt, A, B, C, D, z, dt_bias, init, seq_idx, opts, norm=None):
     """The forward kernel over x, B, C (copied contiguous in the compute dtype), saving what
-    the backward reads on ctx -> (out, final) as numpy arrays in the compute dtype."""
+    the backward reads on ctx -> (out, final, yn) as numpy arrays in the compute dtype. norm:
+    (nz (b, L, h p), weight (h p,), eps, groups) for the gated norm fused in (yn its output; None
+    without)."""
     softplus, limit = opts
     ct = _ct(x)
     b, L, h, p = x.shape
@@ -396,31 +479,48 @@ def _forward_into(ctx, x, dt, A, B, C, D, z, dt_bias, init, seq_idx, opts):
     ypre = np.empty_like(xs) if z is not None else _empty(ct, 4)
     ck = np.empty((b, -(-L // T), h, p, n), xs.dtype)
     final = np.empty((b, h, p, n), xs.dtype)
+    if norm is None:
+        nz, nw, eps, yn, rstd = _empty(ct, 3), _empty(ct, 1), 0.0, _empty(ct, 3), _empty(ct, 3)
+    else:
+        nz_t, nw_t, eps, groups = norm
+        nz, nw = nz_t.detach().to(ct).numpy(), _np(nw_t.to(ct))       # nz: any strides
+        yn, rstd = np.empty((b, L, h * p), xs.dtype), np.empty((b, L, groups), xs.dtype)
     vec = _vector_ok(n, xs.dtype)
     for_workers(_forward, workers())(xs, _np(dte), _np(A.to(ct)), Bs, Cs, starts,
                                      _empty(ct, 4) if init is None else _np(init.to(ct)), _np(Dm), zs, T, vec,
-                                     out, ypre, ck, final)
+                                     nz, nw, float(eps), out, ypre, ck, final, yn, rstd)
     ctx.opts, ctx.T, ctx.starts, ctx.vec = opts, T, starts, vec
     ctx.arrays = (xs, _np(dte), Bs, Cs, zs, ypre, ck, _np(Dm))
-    return out, final
+    ctx.norm = None if norm is None else (nz, nw, rstd, out)
+    return out, final, yn
 
 
-def _backward_into(ctx, dout, dfinal, x, dt, A, D, z, dt_bias, dx, dB, dC):
+def _backward_into(ctx, dout, dfinal, x, dt, A, D, z, dt_bias, dx, dB, dC, dyn=None):
     """The backward kernel: writes dx, dB and dC (numpy arrays of x's and B's shapes, any
     strides: views of one packed gradient are fine) -> (ddt, dA, dD, dz, ddt_bias, dinit) as
-    tensors in the compute dtype (None where the input was None)."""
+    tensors in the compute dtype (None where the input was None); with the norm fused in, dyn
+    (its output's gradient) in place of dout, and two more: (dnz, dnorm_weight)."""
     xs, dte, Bs, Cs, zs, ypre, ck, Dm = ctx.arrays
     softplus, limit = ctx.opts
     ct = _ct(x)
     b, L, h, p = xs.shape
     n = Bs.shape[3]
-    go = np.zeros_like(xs) if dout is None else _np(dout.to(ct))
+    if ctx.norm is None:
+        go = np.zeros_like(xs) if dout is None else _np(dout.to(ct))
+        nz, nw, rstd, y, dynn = _empty(ct, 3), _empty(ct, 1), _empty(ct, 3), _empty(ct, 4), _empty(ct, 3)
+        dnz, dnwp = _empty(ct, 3), _empty(ct, 2)
+    else:
+        nz, nw, rstd, y = ctx.norm
+        go = np.empty_like(xs)                          # the kernel writes y's gradient here first
+        dynn = np.zeros((b, L, h * p), xs.dtype) if dyn is None else _np(dyn.to(ct))
+        dnz, dnwp = np.empty((b, L, h * p), xs.dtype), np.empty((b * rstd.shape[2], h * p // rstd.shape[2]), xs.dtype)
     df = _empty(ct, 4) if dfinal is None else _np(dfinal.to(ct))
     dz = np.empty_like(xs) if z is not None else _empty(ct, 4)
     ddte, dAp = np.empty(dte.shape, xs.dtype), np.empty((b, h), xs.dtype)
     dDp, dinit = np.empty((b, h, p), xs.dtype), np.empty((b, h, p, n), xs.dtype)
     for_workers(_backward, workers())(xs, dte, _np(A.to(ct)), Bs, Cs, ctx.starts, Dm, zs, ypre, go, df, ck,
-                                      ctx.T, ctx.vec, dx, ddte, dAp, dB, dC, dDp, dz, dinit)
+                                      ctx.T, ctx.vec, nz, nw, rstd, y, dynn,
+                                      dx, ddte, dAp, dB, dC, dDp, dz, dinit, dnz, dnwp)
     T = torch.from_numpy
     with torch.autocast("cpu", enabled=False):
         ddt, ddt_bias = prepare_dt_backward(T(ddte), dt.to(ct), None if dt_bias is None else dt_bias.to(ct),
@@ -430,7 +530,11 @@ def _backward_into(ctx, dout, dfinal, x, dt, A, D, z, dt_bias, dx, dB, dC):
             dDc = T(dDp).sum(0)                                            # (h, p)
             dD = dDc.sum(1) if D.dim() == 1 else dDc
         dA = T(dAp).to(torch.float64).sum(0)
-    return ddt, dA, dD, None if z is None else T(dz), ddt_bias, T(dinit)
+        grads = (ddt, dA, dD, None if z is None else T(dz), ddt_bias, T(dinit))
+        if ctx.norm is None:
+            return grads
+        g = rstd.shape[2]                               # the items' partials, in a fixed order
+        return grads + (T(dnz), T(dnwp).reshape(b, g, -1).sum(0).reshape(-1))
 
 
 def _view(a, shape):
@@ -452,7 +556,7 @@ class SSDRecurrentFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, z, dt_bias, init, seq_idx, opts):
-        out, final = _forward_into(ctx, x, dt, A, B, C, D, z, dt_bias, init, seq_idx, opts)
+        out, final, _ = _forward_into(ctx, x, dt, A, B, C, D, z, dt_bias, init, seq_idx, opts)
         ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, init)
         return torch.from_numpy(out).to(x.dtype), torch.from_numpy(final)
 
@@ -468,34 +572,43 @@ class SSDRecurrentFunction(torch.autograd.Function):
 
 
 class SSDPackedFunction(torch.autograd.Function):
-    """out = SSDPackedFunction.apply(xBC, dt, A, D, dt_bias, dims, opts): the recurrence over
-    the Mamba-2 block's packed convolution output xBC (b, L, h p + 2 g n) = [x | B | C], dims
-    = (h, p, g, n), no gate, initial or final state. Its backward writes dx, dB and dC into
-    one packed gradient (the split's gradient would be a concatenation of three)."""
+    """out = SSDPackedFunction.apply(xBC, dt, A, D, dt_bias, dims, opts, norm): the recurrence
+    over the Mamba-2 block's packed convolution output xBC (b, L, h p + 2 g n) = [x | B | C],
+    dims = (h, p, g, n), no gate, initial or final state. Its backward writes dx, dB and dC
+    into one packed gradient (the split's gradient would be a concatenation of three).
+    norm: None, or (z, weight, eps) for the block's gated norm fused in: out = norm(y silu(z))
+    weight (b, L, h p) over g groups, as `GatedRMSNorm`; then z and weight get gradients."""
 
     @staticmethod
-    def forward(ctx, xBC, dt, A, D, dt_bias, dims, opts):
+    def forward(ctx, xBC, dt, A, D, dt_bias, dims, opts, z=None, weight=None, eps=1e-5):
         h, p, g, n = dims
         b, L, _ = xBC.shape
         x, B, C = xBC.split([h * p, g * n, g * n], dim=-1)
-        out, _ = _forward_into(ctx, x.reshape(b, L, h, p), dt, A, B.reshape(b, L, g, n), C.reshape(b, L, g, n),
-                               D, None, dt_bias, None, None, opts)
+        norm = None if z is None else (z, weight, eps, g)
+        out, _, yn = _forward_into(ctx, x.reshape(b, L, h, p), dt, A, B.reshape(b, L, g, n),
+                                   C.reshape(b, L, g, n), D, None, dt_bias, None, None, opts, norm)
         ctx.dims = dims
-        ctx.save_for_backward(xBC, dt, A, D, dt_bias)
-        return torch.from_numpy(out).to(xBC.dtype)
+        ctx.save_for_backward(xBC, dt, A, D, dt_bias, z, weight)
+        return torch.from_numpy(out if z is None else yn).to(xBC.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        xBC, dt, A, D, dt_bias = ctx.saved_tensors
+        xBC, dt, A, D, dt_bias, z, weight = ctx.saved_tensors
         h, p, g, n = ctx.dims
         b, L, _ = xBC.shape
         d = np.empty((b, L, h * p + 2 * g * n), ctx.arrays[0].dtype)
         dx = _view(d[..., :h * p], (b, L, h, p))
         dB = _view(d[..., h * p:h * p + g * n], (b, L, g, n))
         dC = _view(d[..., h * p + g * n:], (b, L, g, n))
-        ddt, dA, dD, _, ddt_bias, _ = _backward_into(ctx, dout, None, xBC, dt, A, D, None, dt_bias, dx, dB, dC)
+        if z is None:
+            ddt, dA, dD, _, ddt_bias, _ = _backward_into(ctx, dout, None, xBC, dt, A, D, None, dt_bias, dx, dB, dC)
+            dz = dw = None
+        else:
+            ddt, dA, dD, _, ddt_bias, _, dz, dw = _backward_into(ctx, None, None, xBC, dt, A, D, None, dt_bias,
+                                                                 dx, dB, dC, dyn=dout)
+            dz, dw = dz.to(z.dtype), dw.to(weight.dtype)
         return (torch.from_numpy(d).to(xBC.dtype), ddt.to(dt.dtype), dA.to(A.dtype), _like(dD, D),
-                _like(ddt_bias, dt_bias), None, None)
+                _like(ddt_bias, dt_bias), None, None, dz, dw, None)
 
 
 def ssd_cpu_recurrent(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=None, initial_states=None,
@@ -507,8 +620,14 @@ def ssd_cpu_recurrent(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=Non
     return (out, final) if return_final_states else out
 
 
-def ssd_cpu_recurrent_packed(xBC, dt, A, dims, D=None, dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf)):
+def ssd_cpu_recurrent_packed(xBC, dt, A, dims, D=None, dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf),
+                             norm=None):
     """The fused recurrence over the packed xBC (b, L, h p + 2 g n), dims = (h, p, g, n)
-    (`SSDPackedFunction`) -> out (b, L, h, p)."""
+    (`SSDPackedFunction`) -> out (b, L, h, p); with norm = (z, weight, eps), the block's gated
+    norm fused in -> norm(y silu(z)) weight (b, L, h p)."""
     limit = (float(dt_limit[0]), float(dt_limit[1]))
-    return SSDPackedFunction.apply(xBC, dt, A, D, dt_bias, tuple(int(v) for v in dims), (bool(dt_softplus), limit))
+    args = (xBC, dt, A, D, dt_bias, tuple(int(v) for v in dims), (bool(dt_softplus), limit))
+    if norm is None:
+        return SSDPackedFunction.apply(*args)
+    z, weight, eps = norm
+    return SSDPackedFunction.apply(*args, z, weight, float(eps))
