@@ -29,7 +29,7 @@ ssd_step, its torch-ops reference ssd_step_ref, and transformers' torch
 Table 3, the model (--models; off with --no-models): training tokens/s of sonata's LM
 (`sonata.model.lm.MambaLM`, backend cpu) with Mamba-1 blocks at N=16 (model.arch=mamba, the
 default) against Mamba-2 blocks (model.arch=mamba2, headdim 32, chunk 64) at N = 16, 64,
-128, same d_model and depth: the seed size (d_model 96, 2 layers, batch 16 x L 128) and a
+128, and at N = 64 with mamba_ssm's headdim 64, same d_model and depth: the seed size (d_model 96, 2 layers, batch 16 x L 128) and a
 larger one (d_model 256, 2 layers, batch 4 x L 512), vocabulary 512, fp32 and bf16 (autocast
 around the forward; `precision=fast` is bf16 only where the CPU multiplies bf16 natively,
 fp32 here otherwise). A step is forward, sonata's cross-entropy on float32 logits, backward
@@ -220,20 +220,22 @@ def bench_step(h, p, n, steps=200):
 
 # name, d_model, batch, L
 MODEL_SIZES = [("seed", 96, 16, 128), ("d256", 256, 4, 512)]
-MODEL_ROWS = [("mamba N16", "mamba", 16), ("mamba2 N16", "mamba2", 16), ("mamba2 N64", "mamba2", 64),
-              ("mamba2 N128", "mamba2", 128)]
+# label, arch, N, headdim (Mamba-2; 32 is sonata's default, 64 mamba_ssm's)
+MODEL_ROWS = [("mamba N16", "mamba", 16, 0), ("mamba2 N16", "mamba2", 16, 32), ("mamba2 N64", "mamba2", 64, 32),
+              ("mamba2 N64 headdim 64", "mamba2", 64, 64), ("mamba2 N128", "mamba2", 128, 32)]
 
 
-def model_step(arch, n, d_model, batch, L, dtype, vocab=512, seed=0):
+def model_step(arch, n, d_model, batch, L, dtype, vocab=512, seed=0, headdim=32):
     """-> step(): one training step of sonata's LM (2 layers of `arch` at d_state n, backend
-    cpu) on a fixed random batch: forward under bf16 autocast for dtype bf16, sonata's loss on
-    float32 logits, backward, fused AdamW."""
+    cpu; Mamba-2 heads of `headdim`) on a fixed random batch: forward under bf16 autocast for
+    dtype bf16, sonata's loss on float32 logits, backward, fused AdamW."""
     from sonata.core.config import ModelConfig
     from sonata.kernels import cross_entropy
     from sonata.model.lm import MambaLM
     torch.manual_seed(seed)
+    extra = {"headdim": headdim} if arch == "mamba2" else {}
     model = MambaLM(ModelConfig(arch=arch, d_model=d_model, n_layers=2, d_state=n, vocab_size=vocab,
-                                backend="cpu"))
+                                backend="cpu", **extra))
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randint(0, vocab, (2, batch, L), generator=g)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -251,7 +253,7 @@ def bench_models(size, dtype, rounds, steps, warmup=2):
     """Rows of table 3 for one size and precision: tokens/s (median round) and the median of
     the per-round ratios to Mamba-1 N=16."""
     name, d, batch, L = size
-    fns = {row[0]: model_step(row[1], row[2], d, batch, L, dtype) for row in MODEL_ROWS}
+    fns = {row[0]: model_step(row[1], row[2], d, batch, L, dtype, headdim=row[3]) for row in MODEL_ROWS}
     for f in fns.values():
         for _ in range(warmup):
             f()
@@ -316,9 +318,9 @@ def main(argv=None):
             mrows += bench_models(size, dtype, args.model_rounds, args.model_steps)
             print("  done: models", size[0], dtype, file=sys.stderr, flush=True)
     print_table(["size", "dtype", "model (backend cpu)", "train tokens/s", "x Mamba-1 N16", "tokens/s range"],
-                mrows, title=f"training speed of sonata's LM, Mamba-1 against Mamba-2 (headdim 32, chunk "
-                             f"64), {args.model_rounds} interleaved rounds x {args.model_steps} steps after a "
-                             f"warm-up")
+                mrows, title=f"training speed of sonata's LM, Mamba-1 against Mamba-2 (headdim 32 unless "
+                             f"named, chunk 64), {args.model_rounds} interleaved rounds x {args.model_steps} "
+                             f"steps after a warm-up")
 
 
 if __name__ == "__main__":
