@@ -347,6 +347,32 @@ class VectorIR:
             v, w = self.b.fadd(lo, hi), h
         return self.b.extract_element(v, ir.Constant(_I32, 0))
 
+    def hsum4(self, v0, v1, v2, v3):
+        """The lane sums of four vectors at once, as a 4-lane vector: halves of pairs added
+        (lanes >= 4), 15 shuffles and adds at 16 lanes against 48 for four `hsum`s."""
+        w = self.vt.count
+
+        def pick(a, b, idx):
+            return self.b.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, len(idx)), idx))
+
+        h = w // 2                          # [v0 | v1] and [v2 | v3], half-sums of each
+        u01 = self.b.fadd(pick(v0, v1, list(range(h)) + list(range(w, w + h))),
+                          pick(v0, v1, list(range(h, w)) + list(range(w + h, 2 * w))))
+        u23 = self.b.fadd(pick(v2, v3, list(range(h)) + list(range(w, w + h))),
+                          pick(v2, v3, list(range(h, w)) + list(range(w + h, 2 * w))))
+        q = h // 2                          # four segments of w / 4 lanes: [v0 | v1 | v2 | v3]
+        lo = list(range(q)) + list(range(h, h + q))
+        hi = list(range(q, h)) + list(range(h + q, w))
+        r = self.b.fadd(pick(u01, u23, lo + [w + i for i in lo]), pick(u01, u23, hi + [w + i for i in hi]))
+        seg = q
+        while seg > 1:                      # fold every segment in half
+            half = seg // 2
+            lo = [k * seg + i for k in range(4) for i in range(half)]
+            hi = [k * seg + half + i for k in range(4) for i in range(half)]
+            r = self.b.fadd(pick(r, r, lo), pick(r, r, hi))
+            seg = half
+        return r
+
     def var(self, init=None):
         """A vector variable (an alloca LLVM keeps in a register)."""
         return cgutils.alloca_once_value(self.b, self.zero if init is None else init)

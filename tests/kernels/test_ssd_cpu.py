@@ -512,12 +512,13 @@ def test_the_fused_step_runs_under_no_grad_for_parameters(monkeypatch):
 def test_the_vector_steps_run_where_d_state_fills_whole_vectors(dtype):
     """The recurrence takes its explicit vector steps when d_state is a multiple of the lanes
     (so the default form above tests them at those sizes) and its loops otherwise; both
-    against the float64 oracle at a d_state of one vector and of one vector plus a lane."""
+    against the float64 oracle at a d_state of one vector, two, and one vector plus a lane."""
     from sonata.kernels.cpu_simd import vector_lanes
     lanes = vector_lanes(torch.empty(0, dtype=dtype).numpy().dtype)
     seed = _seed()
-    for n, vec in [(lanes, True), (2 * lanes, True), (lanes + 1, False)]:
-        t = _inputs(seed, 2, 70, 4, 8, 2, n, D="hp", z=True, bias=True, init=True)
+    for n, vec, hp in [(lanes, True, 8), (2 * lanes, True, 6), (lanes + 1, False, 8)]:
+        # headdim 6: the vector steps' four-row blocks and the rows left after them
+        t = _inputs(seed, 2, 70, 4, hp, 2, n, D="hp", z=True, bias=True, init=True)
         x, dt, A, B, C = (t[k].to(dtype) for k in ("x", "dt", "A", "B", "C"))
         out, _ = cpu_recurrent.SSDRecurrentFunction.apply(x.requires_grad_(), dt, A, B, C, None, None, None, None,
                                                            None, (False, (0.0, math.inf)))

@@ -38,13 +38,17 @@ Explicit vector steps (`_fwd_rows`, `_rec_block`, `_rev_block`: numba intrinsics
 their vector loops themselves, `cpu_simd.VectorIR`), where d_state is a multiple of the
 vector's lanes: the loops above are short (one row of n per state row, 32-64 rows per head and
 step), and LLVM versioned each behind its overlap checks and ended each with a horizontal sum,
-which together cost about what the work did. The reverse step runs by columns of one vector:
-C_t, B_t and the dC_t, dB_t sums stay in registers across the p rows, each row's gs_i . B_t is
-a vector summed once at the end, and nothing is checked. Measured on the AVX-512 EPYC (the
-kernels alone, the seed model's N=64 layer, interleaved): backward 5.5-7.5 -> 3.7-4.5 ms,
-forward 1.6 -> 1.4 ms. The loops stay for other sizes (and run in the tests: VECTOR). dB_t and
-dC_t add up in a contiguous per-item array, copied out once (they may be views of the packed
-gradient).
+which together cost about what the work did. The vector steps take four rows at a time: B_t
+and C_t (and in the reverse step the dC_t and dB_t sums) stay in registers across them, their
+four row sums are reduced together (`VectorIR.hsum4`), and nothing is checked. Measured on the
+AVX-512 EPYC on one training step's own inputs (the seed model's N=64 layer, float32,
+interleaved, /tmp probe): forward 0.84x and backward 0.62x the loops' time. The loops stay for
+other sizes (and run in the tests: VECTOR). dB_t and dC_t add up in a contiguous per-item
+array, copied out once (they may be views of the packed gradient).
+
+The Mamba-2 block's gated norm can run inside these kernels (`SSDPackedFunction`'s norm, the
+block's default on the cpu backend): a work item's heads are one norm group, so it normalises
+its rows after its heads and its backward starts from them.
 
 `SSDPackedFunction` is the Mamba-2 block's entry (`ssd.ssd_packed`): it takes the block's
 packed [x | B | C] and writes one packed gradient (no concatenation of three).
@@ -63,6 +67,7 @@ import numpy as np
 import torch
 
 try:
+    from llvmlite import ir
     from numba import prange, types
     from numba.core import cgutils
     from numba.extending import intrinsic
@@ -92,7 +97,6 @@ SEGMENT = 64    # steps between saved states: the checkpoints hold what the chun
 # (`vector_lanes`: 16 float32 / 8 float64 with AVX-512, 8 / 4 with AVX2); the loops beside
 # them otherwise, or everywhere with VECTOR false (the tests run both).
 VECTOR = True
-_LANES_MAX = 16      # the scratch rows hold the widest vector (float32 with AVX-512)
 
 
 def _vector_ok(n: int, dtype) -> bool:
@@ -102,26 +106,49 @@ def _vector_ok(n: int, dtype) -> bool:
 if parallel_kernel is not None:
     @intrinsic
     def _fwd_rows(typingctx, S, Bt, Ct, X, acc, a, p, n):
-        """One head's forward step, row by row: S_i = a S_i + X_i B and acc_i = S_i . C for
-        the p rows of S (p x n, rows contiguous); n a multiple of the lanes."""
+        """One head's forward step: S_i = a S_i + X_i B and acc_i = S_i . C for the p rows of S
+        (p x n, rows contiguous); n a multiple of the lanes. Four rows at a time (B and C loaded
+        once for them, the four sums reduced together: `VectorIR.hsum4`), the rest one by one."""
         sig = types.void(S, Bt, Ct, X, acc, a, p, n)
 
         def codegen(context, builder, signature, args):
             S_, B_, C_, X_, ac_, a_, p_, n_ = args
             V = VectorIR(builder, a_.type)
             p_, n_ = V.i64(p_), V.i64(n_)
-            av, accv = V.splat(a_), V.var()
-            with cgutils.for_range(builder, p_) as il:
-                xb = V.splat(V.scalar(X_, il.index))
-                builder.store(V.zero, accv)
-                row = builder.mul(il.index, n_)
-                with cgutils.for_range(builder, builder.udiv(n_, V.lanes)) as jl:
+            av, nv = V.splat(a_), builder.udiv(n_, V.lanes)
+            accs = [V.var() for _ in range(4)]
+            four = ir.Constant(p_.type, 4)
+            with cgutils.for_range(builder, builder.udiv(p_, four)) as bl:
+                i0 = builder.mul(bl.index, four)
+                rows = [builder.add(i0, ir.Constant(p_.type, r)) for r in range(4)]
+                xbs = [V.splat(V.scalar(X_, i)) for i in rows]
+                offs = [builder.mul(i, n_) for i in rows]
+                for acv in accs:
+                    builder.store(V.zero, acv)
+                with cgutils.for_range(builder, nv) as jl:
+                    col = builder.mul(jl.index, V.lanes)
+                    bv, cv = V.load(B_, col), V.load(C_, col)
+                    for xb, row, acv in zip(xbs, offs, accs):
+                        off = builder.add(row, col)
+                        s = V.fma(av, V.load(S_, off), builder.fmul(xb, bv))
+                        V.store(s, S_, off)
+                        builder.store(V.fma(s, cv, builder.load(acv)), acv)
+                sums = V.hsum4(*(builder.load(acv) for acv in accs))
+                for r, i in enumerate(rows):
+                    builder.store(builder.extract_element(sums, ir.Constant(ir.IntType(32), r)),
+                                  builder.gep(ac_, [i]))
+            with cgutils.for_range(builder, builder.urem(p_, four)) as il:     # the rows left
+                i = builder.add(builder.mul(builder.udiv(p_, four), four), il.index)
+                xb = V.splat(V.scalar(X_, i))
+                builder.store(V.zero, accs[0])
+                row = builder.mul(i, n_)
+                with cgutils.for_range(builder, nv) as jl:
                     col = builder.mul(jl.index, V.lanes)
                     off = builder.add(row, col)
                     s = V.fma(av, V.load(S_, off), builder.fmul(xb, V.load(B_, col)))
                     V.store(s, S_, off)
-                    builder.store(V.fma(s, V.load(C_, col), builder.load(accv)), accv)
-                builder.store(V.hsum(builder.load(accv)), builder.gep(ac_, [il.index]))
+                    builder.store(V.fma(s, V.load(C_, col), builder.load(accs[0])), accs[0])
+                builder.store(V.hsum(builder.load(accs[0])), builder.gep(ac_, [i]))
             return context.get_dummy_value()
         return sig, codegen
 
@@ -147,41 +174,55 @@ if parallel_kernel is not None:
         return sig, codegen
 
     @intrinsic
-    def _rev_block(typingctx, G, S1, S0, Ct, Bt, DC, DB, dy, X, P, accx, a, p, n):
+    def _rev_block(typingctx, G, S1, S0, Ct, Bt, DC, DB, dy, X, accx, a, p, n):
         """One head's reverse step (the module docstring): with gs_i = G_i + dy_i C, adds
         sum_i dy_i S1_i to DC and sum_i X_i gs_i to DB, writes accx_i = gs_i . B and G_i = a gs_i,
-        and returns <gs, S0>. By columns of one vector: C, B, DC and DB stay in registers over
-        the p rows; each row's partial gs_i . B is a vector in the scratch P (p x lanes),
-        summed across its lanes at the end."""
-        sig = a(G, S1, S0, Ct, Bt, DC, DB, dy, X, P, accx, a, p, n)
+        and returns <gs, S0>. Four rows at a time: C, B and the DC, DB sums in registers over
+        them, their four gs_i . B reduced together (`VectorIR.hsum4`); the rest one by one."""
+        sig = a(G, S1, S0, Ct, Bt, DC, DB, dy, X, accx, a, p, n)
 
         def codegen(context, builder, signature, args):
-            G_, S1_, S0_, C_, B_, DC_, DB_, dy_, X_, P_, ax_, a_, p_, n_ = args
+            G_, S1_, S0_, C_, B_, DC_, DB_, dy_, X_, ax_, a_, p_, n_ = args
             V = VectorIR(builder, a_.type)
             p_, n_ = V.i64(p_), V.i64(n_)
-            av = V.splat(a_)
-            dav, dcv, dbv = V.var(), V.var(), V.var()
-            with cgutils.for_range(builder, builder.udiv(n_, V.lanes)) as jl:
-                col = builder.mul(jl.index, V.lanes)
-                cv, bv = V.load(C_, col), V.load(B_, col)
-                builder.store(V.load(DC_, col), dcv)
-                builder.store(V.load(DB_, col), dbv)
-                first = builder.icmp_signed("==", jl.index, jl.index.type(0))
-                with cgutils.for_range(builder, p_) as il:
-                    i = il.index
-                    off = builder.add(builder.mul(i, n_), col)
-                    dyb = V.splat(V.scalar(dy_, i))
-                    gs = V.fma(dyb, cv, V.load(G_, off))
-                    builder.store(V.fma(V.load(S1_, off), dyb, builder.load(dcv)), dcv)
-                    po = builder.mul(i, V.lanes)
-                    V.store(V.fma(gs, bv, builder.select(first, V.zero, V.load(P_, po))), P_, po)
-                    builder.store(V.fma(gs, V.splat(V.scalar(X_, i)), builder.load(dbv)), dbv)
-                    builder.store(V.fma(gs, V.load(S0_, off), builder.load(dav)), dav)
-                    V.store(builder.fmul(gs, av), G_, off)
-                V.store(builder.load(dcv), DC_, col)
-                V.store(builder.load(dbv), DB_, col)
-            with cgutils.for_range(builder, p_) as il:
-                builder.store(V.hsum(V.load(P_, builder.mul(il.index, V.lanes))), builder.gep(ax_, [il.index]))
+            av, nv = V.splat(a_), builder.udiv(n_, V.lanes)
+            dav = V.var()
+            accs = [V.var() for _ in range(4)]
+            four = ir.Constant(p_.type, 4)
+
+            def rows_pass(rows):
+                dybs = [V.splat(V.scalar(dy_, i)) for i in rows]
+                xbs = [V.splat(V.scalar(X_, i)) for i in rows]
+                offs = [builder.mul(i, n_) for i in rows]
+                for acv in accs[:len(rows)]:
+                    builder.store(V.zero, acv)
+                with cgutils.for_range(builder, nv) as jl:
+                    col = builder.mul(jl.index, V.lanes)
+                    cv, bv = V.load(C_, col), V.load(B_, col)
+                    dcv, dbv, da = V.load(DC_, col), V.load(DB_, col), builder.load(dav)
+                    for dyb, xb, row, acv in zip(dybs, xbs, offs, accs):
+                        off = builder.add(row, col)
+                        gs = V.fma(dyb, cv, V.load(G_, off))
+                        dcv = V.fma(V.load(S1_, off), dyb, dcv)
+                        builder.store(V.fma(gs, bv, builder.load(acv)), acv)
+                        dbv = V.fma(gs, xb, dbv)
+                        da = V.fma(gs, V.load(S0_, off), da)
+                        V.store(builder.fmul(gs, av), G_, off)
+                    V.store(dcv, DC_, col)
+                    V.store(dbv, DB_, col)
+                    builder.store(da, dav)
+
+            with cgutils.for_range(builder, builder.udiv(p_, four)) as bl:
+                rows = [builder.add(builder.mul(bl.index, four), ir.Constant(p_.type, r)) for r in range(4)]
+                rows_pass(rows)
+                sums = V.hsum4(*(builder.load(acv) for acv in accs))
+                for r, i in enumerate(rows):
+                    builder.store(builder.extract_element(sums, ir.Constant(ir.IntType(32), r)),
+                                  builder.gep(ax_, [i]))
+            with cgutils.for_range(builder, builder.urem(p_, four)) as il:     # the rows left
+                i = builder.add(builder.mul(builder.udiv(p_, four), four), il.index)
+                rows_pass([i])
+                builder.store(V.hsum(builder.load(accs[0])), builder.gep(ax_, [i]))
             return V.hsum(builder.load(dav))
         return sig, codegen
 
@@ -339,7 +380,6 @@ def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T, vec, nz
         av = np.empty(T, x.dtype)
         Xv = np.empty(p, x.dtype)
         dyv = np.empty(p, x.dtype)
-        P = np.empty(p * _LANES_MAX, x.dtype)           # the vector step's scratch
         dBi, dCi = np.zeros((L, n), x.dtype), np.zeros((L, n), x.dtype)   # the item's dB, dC: contiguous
         axv = np.empty(p, x.dtype)                      # its gs_i . B_t
         zero = np.zeros(1, x.dtype)[0]
@@ -398,7 +438,7 @@ def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T, vec, nz
                         row = ((bi * L + t) * g + gi) * n
                         da = _rev_block(addr(W, _G * n), addr(W, (sb + (k + 1) * p) * n), addr(W, (sb + k * p) * n),
                                         addr(C, row), addr(B, row), addr(dCi, t * n), addr(dBi, t * n),
-                                        addr(dyv, 0), addr(Xv, 0), addr(P, 0), addr(axv, 0), a, p, n)
+                                        addr(dyv, 0), addr(Xv, 0), addr(axv, 0), a, p, n)
                         for i in range(p):
                             dx[bi, t, hd, i] = dt * axv[i] + Dm[hd, i] * dyv[i]
                         for i in range(p):      # apart: dx's layout (a packed view or not) must not
