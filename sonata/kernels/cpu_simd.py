@@ -373,6 +373,28 @@ class VectorIR:
             seg = half
         return r
 
+    def by_four(self, p, step, accs, out):
+        """Runs step(rows) over rows 0..p-1 four at a time, then one at a time for the rest; step
+        adds each row's terms to its vector variable in `accs` (4 of them, zeroed here), whose
+        lane sums then go to out[row] (`hsum4` for a block of four)."""
+        b, four = self.b, ir.Constant(p.type, 4)
+
+        def run(rows):
+            for acv in accs[:len(rows)]:
+                b.store(self.zero, acv)
+            step(rows)
+
+        with cgutils.for_range(b, b.udiv(p, four)) as bl:
+            rows = [b.add(b.mul(bl.index, four), ir.Constant(p.type, r)) for r in range(4)]
+            run(rows)
+            sums = self.hsum4(*(b.load(acv) for acv in accs))
+            for r, i in enumerate(rows):
+                b.store(b.extract_element(sums, ir.Constant(_I32, r)), b.gep(out, [i]))
+        with cgutils.for_range(b, b.urem(p, four)) as il:
+            i = b.add(b.mul(b.udiv(p, four), four), il.index)
+            run([i])
+            b.store(self.hsum(b.load(accs[0])), b.gep(out, [i]))
+
     def var(self, init=None):
         """A vector variable (an alloca LLVM keeps in a register)."""
         return cgutils.alloca_once_value(self.b, self.zero if init is None else init)

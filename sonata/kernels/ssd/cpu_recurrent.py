@@ -67,7 +67,6 @@ import numpy as np
 import torch
 
 try:
-    from llvmlite import ir
     from numba import prange, types
     from numba.core import cgutils
     from numba.extending import intrinsic
@@ -117,14 +116,10 @@ if parallel_kernel is not None:
             p_, n_ = V.i64(p_), V.i64(n_)
             av, nv = V.splat(a_), builder.udiv(n_, V.lanes)
             accs = [V.var() for _ in range(4)]
-            four = ir.Constant(p_.type, 4)
-            with cgutils.for_range(builder, builder.udiv(p_, four)) as bl:
-                i0 = builder.mul(bl.index, four)
-                rows = [builder.add(i0, ir.Constant(p_.type, r)) for r in range(4)]
+
+            def rows_step(rows):
                 xbs = [V.splat(V.scalar(X_, i)) for i in rows]
                 offs = [builder.mul(i, n_) for i in rows]
-                for acv in accs:
-                    builder.store(V.zero, acv)
                 with cgutils.for_range(builder, nv) as jl:
                     col = builder.mul(jl.index, V.lanes)
                     bv, cv = V.load(B_, col), V.load(C_, col)
@@ -133,22 +128,8 @@ if parallel_kernel is not None:
                         s = V.fma(av, V.load(S_, off), builder.fmul(xb, bv))
                         V.store(s, S_, off)
                         builder.store(V.fma(s, cv, builder.load(acv)), acv)
-                sums = V.hsum4(*(builder.load(acv) for acv in accs))
-                for r, i in enumerate(rows):
-                    builder.store(builder.extract_element(sums, ir.Constant(ir.IntType(32), r)),
-                                  builder.gep(ac_, [i]))
-            with cgutils.for_range(builder, builder.urem(p_, four)) as il:     # the rows left
-                i = builder.add(builder.mul(builder.udiv(p_, four), four), il.index)
-                xb = V.splat(V.scalar(X_, i))
-                builder.store(V.zero, accs[0])
-                row = builder.mul(i, n_)
-                with cgutils.for_range(builder, nv) as jl:
-                    col = builder.mul(jl.index, V.lanes)
-                    off = builder.add(row, col)
-                    s = V.fma(av, V.load(S_, off), builder.fmul(xb, V.load(B_, col)))
-                    V.store(s, S_, off)
-                    builder.store(V.fma(s, V.load(C_, col), builder.load(accs[0])), accs[0])
-                builder.store(V.hsum(builder.load(accs[0])), builder.gep(ac_, [i]))
+
+            V.by_four(p_, rows_step, accs, ac_)
             return context.get_dummy_value()
         return sig, codegen
 
@@ -188,14 +169,11 @@ if parallel_kernel is not None:
             av, nv = V.splat(a_), builder.udiv(n_, V.lanes)
             dav = V.var()
             accs = [V.var() for _ in range(4)]
-            four = ir.Constant(p_.type, 4)
 
             def rows_pass(rows):
                 dybs = [V.splat(V.scalar(dy_, i)) for i in rows]
                 xbs = [V.splat(V.scalar(X_, i)) for i in rows]
                 offs = [builder.mul(i, n_) for i in rows]
-                for acv in accs[:len(rows)]:
-                    builder.store(V.zero, acv)
                 with cgutils.for_range(builder, nv) as jl:
                     col = builder.mul(jl.index, V.lanes)
                     cv, bv = V.load(C_, col), V.load(B_, col)
@@ -212,17 +190,7 @@ if parallel_kernel is not None:
                     V.store(dbv, DB_, col)
                     builder.store(da, dav)
 
-            with cgutils.for_range(builder, builder.udiv(p_, four)) as bl:
-                rows = [builder.add(builder.mul(bl.index, four), ir.Constant(p_.type, r)) for r in range(4)]
-                rows_pass(rows)
-                sums = V.hsum4(*(builder.load(acv) for acv in accs))
-                for r, i in enumerate(rows):
-                    builder.store(builder.extract_element(sums, ir.Constant(ir.IntType(32), r)),
-                                  builder.gep(ax_, [i]))
-            with cgutils.for_range(builder, builder.urem(p_, four)) as il:     # the rows left
-                i = builder.add(builder.mul(builder.udiv(p_, four), four), il.index)
-                rows_pass([i])
-                builder.store(V.hsum(builder.load(accs[0])), builder.gep(ax_, [i]))
+            V.by_four(p_, rows_pass, accs, ax_)
             return V.hsum(builder.load(dav))
         return sig, codegen
 
