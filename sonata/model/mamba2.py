@@ -10,7 +10,9 @@ them (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj):
     out        = out_proj(norm(y * silu(z)))               RMSNorm grouped by G (GatedRMSNorm)
 
 On the `cpu` backend the convolution (`sonata.kernels.causal_conv_silu`) and the gated norm
-(`sonata.kernels.rms_norm_gated`) are fused numba kernels, each beside its reference.
+are fused numba kernels, each beside its reference; in training the norm runs inside the SSD
+recurrence's own kernels (`ssd_packed(..., norm=...)`; `sonata.kernels.rms_norm_gated` where
+another form runs). in_proj is computed as three products over its row blocks (`_project`).
 
 One decay per head per token, where Mamba-1 has d_inner x N of them: on the `cpu` backend the
 SSD runs as a fused recurrence (one exp per head and step, d_inner x N multiply-adds) up to
