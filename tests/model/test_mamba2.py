@@ -139,6 +139,20 @@ def test_the_cpu_block_computes_its_gated_norm_inside_the_ssd_kernels(ngroups, m
         assert torch.allclose(x, y, atol=1e-6, rtol=1e-4), name
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_in_proj_as_three_products_equals_the_whole_projection_split(int8):
+    """The block computes in_proj as three products over its row blocks (z, xBC, dt): the
+    same values as the whole product split, with int8 fake quantisation too (per-row scales)."""
+    from sonata.model.quant import set_int8
+    torch.manual_seed(0)
+    mix = Mamba2Mixer(small(ngroups=2))
+    set_int8(mix, int8)
+    u = torch.randn(2, 9, 32)
+    for got, want in zip(mix._project(u), mix._split(mix.in_proj(u))):
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
+
+
 def test_a_hybrid_stack_mixes_the_block_families_and_keeps_chunked_state():
     cfg = small(layers="mamba2,attention,mamba,mamba2", n_heads=2)
     assert cfg.arch == "hybrid" and cfg.n_layers == 4
