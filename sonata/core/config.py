@@ -46,6 +46,8 @@ class ModelConfig:
     chunk_size: int = 64        # mamba2, mamba3: the SSD's chunk length (the result does not depend on it)
     rope_fraction: float = 0.5  # mamba3: the share of the state rotated by data-dependent angles (0: no rotation)
     trapezoid: bool = True      # mamba3: the exponential-trapezoidal update (false: exponential Euler)
+    bounded_angle: float = 0.0  # mamba3: 0 the paper's step angle Delta theta; g > 0: pi sigmoid(g theta),
+                                # within (0, pi) and saturating at a half turn (state tracking's recipe)
     tie_embeddings: bool = True # the output head shares the embedding's weight (false: its own, nn.Linear's init)
     embed_std: float = 0.02     # the embedding's initial standard deviation (mamba_ssm's 0.02; 1.0: unit-variance inputs)
     layers: str = ""            # a hybrid stack, one block per layer: e.g. mamba2,mamba2,attention,mamba2
@@ -305,6 +307,7 @@ class Config:
             m.arch = m.kinds[0] if len(set(m.kinds)) == 1 else "hybrid"
         _check(m.arch != "hybrid" or m.layers, "model.arch=hybrid needs model.layers (e.g. mamba2,attention)")
         _check(0 <= m.rope_fraction <= 1, f"model.rope_fraction must be in [0, 1], not {m.rope_fraction}")
+        _check(m.bounded_angle >= 0, f"model.bounded_angle must be 0 (off) or positive, not {m.bounded_angle}")
         if "mamba2" in m.kinds or "mamba3" in m.kinds:
             _check(m.headdim > 0 and m.d_inner % m.headdim == 0,
                    f"model.headdim ({m.headdim}) must divide d_inner = model.expand x model.d_model ({m.d_inner})")

@@ -12,6 +12,10 @@ Dao, Gu, ICLR 2026), written from the paper's equations:
 R(phi) rotates pairs of the first R = rope_fraction x N state channels by phi_t = Delta_t
 theta_t (a complex-valued state written in real pairs); `model.rope_fraction=0` turns the
 rotation off, `model.trapezoid=false` makes lam = 1 (exponential Euler: Mamba-2's update).
+`model.bounded_angle=g` (g > 0; not the paper's) makes the step's angle pi sigmoid(g theta_t):
+within (0, pi), and a half turn is reached by saturation, so an angle that a token must turn by
+exactly pi (parity) stops depending on the rest of the layer's input; notebook 10's state
+tracking uses g = 4 (docs/results.md: why).
 
 The fast path runs on the SSD kernel (`sonata.kernels.ssd.ssd`). In the frame that turns with
 the accumulated angle Theta_t = phi_1 + ... + phi_t (h~ = R(-Theta) h) the rotation moves onto
@@ -24,6 +28,8 @@ float64 when given float64: the oracle the tests hold the fast path to. The stat
 between calls (and by the one-token `step`) is (h~, Theta, x_{t-1}, B~_{t-1}).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
@@ -118,7 +124,11 @@ class Mamba3Mixer(nn.Module):
         delta = F.softplus(dt.to(ct) + self.dt_bias.to(ct))
         A = -F.softplus(a.to(ct) + self.a_bias.to(ct)).clamp(min=c.a_min)
         lam = torch.sigmoid(lam.to(ct) + self.lam_bias.to(ct)) if c.trapezoid else torch.ones_like(delta)
-        phi = delta[..., None] * theta.to(ct).reshape(b, L, c.nheads, self.R // 2)
+        theta = theta.to(ct).reshape(b, L, c.nheads, self.R // 2)
+        if c.bounded_angle > 0:                      # a half turn at most, reached by saturation
+            phi = math.pi * torch.sigmoid(c.bounded_angle * theta)
+        else:
+            phi = delta[..., None] * theta
         rep = c.nheads // c.ngroups
 
         def bc(t, w, bias):

@@ -67,7 +67,7 @@ def test_float32_fast_path_is_within_float32_tolerance_of_the_float64_oracle():
     assert (y.double() - y_ref).abs().max() < 2e-5 * max(1.0, float(y_ref.detach().abs().max()))
 
 
-@pytest.mark.parametrize("ablation", [{}, {"trapezoid": False, "rope_fraction": 0.0}])
+@pytest.mark.parametrize("ablation", [{}, {"trapezoid": False, "rope_fraction": 0.0}, {"bounded_angle": 4.0}])
 def test_step_and_chunked_state_equal_one_pass_and_generation_its_oracle(ablation):
     torch.manual_seed(0)
     m = MambaLM(cfg3(**ablation)).double()
@@ -86,6 +86,30 @@ def test_step_and_chunked_state_equal_one_pass_and_generation_its_oracle(ablatio
     m = m.float()
     p = idx[:, :6]
     assert torch.equal(m.generate(p, 10, temperature=0), m.generate_reference(p, 10, temperature=0))
+
+
+def test_a_bounded_angle_stays_within_a_half_turn_and_the_fast_path_follows_the_oracle():
+    """model.bounded_angle=g: the step's angle is pi sigmoid(g theta), within (0, pi) whatever
+    the input's size (the paper's Delta theta is unbounded); the SSD form equals the float64
+    recurrence with it, values and gradients; a negative g is one config error."""
+    torch.manual_seed(0)
+    mix = Mamba3Mixer(cfg3(bounded_angle=4.0))
+    u = 50 * torch.randn(2, 40, 32, dtype=torch.float64)
+    mix = mix.double()
+    theta = mix.in_proj(u).split(mix.sizes, dim=-1)[-1].reshape(2, 40, mix.cfg.nheads, -1)
+    phi = mix.ssm_inputs(u)[5]
+    assert torch.allclose(phi, torch.pi * torch.sigmoid(4.0 * theta))
+    assert phi.min() >= 0 and phi.max() <= torch.pi and (phi > 3.1).any() and (phi < 0.04).any()
+    x, delta, A, lam, phi, B, C = inputs(mix, 33, seed=5)
+    y, st = mix._scan(x, delta, A, lam, phi, B, C, mix.empty_state(2, x.device, torch.float64))
+    y_ref, h_ref = recurrence_ref(x, delta, A, lam, phi, B, C)
+    assert torch.allclose(y, y_ref, atol=1e-10)
+    g1 = torch.autograd.grad(y.square().sum(), [phi, B])
+    g2 = torch.autograd.grad(y_ref.square().sum(), [phi, B])
+    for a, b in zip(g1, g2):
+        assert torch.allclose(a, b, atol=1e-9)
+    with pytest.raises(Exception, match="bounded_angle"):
+        cfg3(bounded_angle=-1.0)
 
 
 def test_rotated_dims_and_every_parameter_learns():
