@@ -98,7 +98,8 @@ def track_curriculum(length: int) -> str:
 # across seeds; the parity's turn was learned in layer 1, whose input varies with the context,
 # and varied by 0.015-0.24 pi per pair across positions. A bounded angle pi sigmoid(4 theta)
 # (a half turn reached by saturation) with MQAR's unit-variance untied embedding: 100% at 4x at
-# each of seeds 0, 1 and 2 (60.2% at seed 1 and 0-100% at 8x without the embedding).
+# seeds 0, 1 and 2, but 61.7% at seed 3, and seed 4 did not learn parity at all in 3,000 steps
+# (55.5% at the trained length); without the embedding, 60.2% at 4x at seed 1. Not robust yet.
 TRACK_RECIPE = {"model.bounded_angle": 4.0, "model.tie_embeddings": False, "model.embed_std": 1.0}
 
 
