@@ -91,26 +91,12 @@ def track_curriculum(length: int) -> str:
     return ",".join(stages + [str(length)])
 
 
-# State tracking's recipe on top of BASE, the same for every model (model.bounded_angle acts on
-# Mamba-3's rotation only). Measured (parity, Mamba-3, length 64, the curriculum below, 3,000
-# steps, one thread, /tmp probes of 2026-12-05, accuracy at 4x the length): the paper's angle
-# Delta theta with mamba_ssm's tied 0.02 embedding 65.6% in the committed notebook and 5.5-89.8%
-# across seeds; the parity's turn was learned in layer 1, whose input varies with the context,
-# and varied by 0.015-0.24 pi per pair across positions. A bounded angle pi sigmoid(4 theta)
-# (a half turn reached by saturation) with MQAR's unit-variance untied embedding: 100% at 4x at
-# seeds 0, 1 and 2, but 61.7% at seed 3, and seed 4 did not learn parity at all in 3,000 steps
-# (55.5% at the trained length); without the embedding, 60.2% at 4x at seed 1. Not robust yet.
-TRACK_RECIPE = {"model.bounded_angle": 4.0, "model.tie_embeddings": False, "model.embed_std": 1.0}
-
-
 def track_overrides(task: str, model: str, steps: int, cap_s: float = 0.0, length: int = 64,
-                    d_model: int = 32, d_state: int = 16, seed: int = 0, n_layers: int = 2,
-                    recipe: bool = True) -> dict:
+                    d_model: int = 32, d_state: int = 16, seed: int = 0, n_layers: int = 2) -> dict:
     """One state-tracking run's config overrides: `n_layers` layers, trained on `track_curriculum(length)`
     with the loss at every position (task.running: the answer of every prefix; the score stays
-    the last position's); validated at `length`; TRACK_RECIPE on top unless `recipe` is false."""
-    return {**BASE, **(TRACK_RECIPE if recipe else {}), **TRACK_TASKS[task], **MODELS[model][1],
-            "task.running": True, "data.seq_len": length,
+    the last position's); validated at `length`."""
+    return {**BASE, **TRACK_TASKS[task], **MODELS[model][1], "task.running": True, "data.seq_len": length,
             "task.curriculum": track_curriculum(length), "model.n_layers": n_layers, "model.d_model": d_model,
             "model.d_state": d_state, "train.seed": seed, "train.max_steps": int(steps),
             "train.max_seconds": float(cap_s)}

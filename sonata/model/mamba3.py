@@ -14,8 +14,8 @@ theta_t (a complex-valued state written in real pairs); `model.rope_fraction=0` 
 rotation off, `model.trapezoid=false` makes lam = 1 (exponential Euler: Mamba-2's update).
 `model.bounded_angle=g` (g > 0; not the paper's) makes the step's angle pi sigmoid(g theta_t):
 within (0, pi), and a half turn is reached by saturation, so an angle that a token must turn by
-exactly pi (parity) stops depending on the rest of the layer's input; notebook 10's state
-tracking uses g = 4 (docs/results.md: why).
+exactly pi (parity) stops depending on the rest of the layer's input. A probe, not the
+notebooks' default: it cannot turn by more than pi, which a sum mod 5 needs (docs/results.md).
 
 The fast path runs on the SSD kernel (`sonata.kernels.ssd.ssd`). In the frame that turns with
 the accumulated angle Theta_t = phi_1 + ... + phi_t (h~ = R(-Theta) h) the rotation moves onto
