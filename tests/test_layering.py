@@ -23,7 +23,7 @@ PACKAGES = [
 INSIDE = {
     "core": [{"errors", "inject", "rng"}, {"config", "device", "progress", "checkpoint"}],
     "kernels": [{"numba_cache", "reference", "autograd", "ssd.reference"},
-                {"cpu_simd", "ssd.triton_fwd", "ssd.cpu_fused", "ssd.step", "ssd.cpu_recurrent"},
+                {"cpu_simd", "ssd.triton_fwd", "ssd.cpu_fused", "ssd.step", "ssd.cpu_steps", "ssd.cpu_recurrent"},
                 {"cpu_scan", "cpu_conv", "cpu_norm", "cpu_loss", "decode_cpu", "triton", "ssd.cpu", "ssd.triton_bwd"},
                 {"cpu", "ssd.triton"}, {"__init__"}, {"ssd"}],
     "data": [{"vocab"}, {"sources"}, {"token_cache"}, {"batches", "tasks"}],

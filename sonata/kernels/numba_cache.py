@@ -2,11 +2,12 @@
 
 numba keys a cached kernel by the hash of the one file that defines it. A kernel's compiled
 code also holds the helpers it calls from other files (`decode_cpu.step` embeds
-`cpu_simd._exp_f32`, the compile flags and lane width come from `cpu_simd.py`): edit such a helper and
-a warm cache keeps running the old one. `install()` puts a locator in front of numba's own
-for the files of this folder only: it caches where numba would (NUMBA_CACHE_DIR, else
+`cpu_simd._exp_f32`, the compile flags and lane width come from `cpu_simd.py`, the SSD
+recurrence's kernels embed `ssd/cpu_steps.py`'s vector steps): edit such a helper and a warm
+cache keeps running the old one. `install()` puts a locator in front of numba's own for the
+files of this folder and its subfolders only: it caches where numba would (NUMBA_CACHE_DIR, else
 `__pycache__` beside the source) but stamps every kernel with the hash of every `.py` file
-here, so a change to any of them recompiles all of them on next use. Other numba code in
+there, so a change to any of them recompiles all of them on next use. Other numba code in
 the process keeps numba's locators. (NUMBA_CACHE_LOCATOR_CLASSES, when set, replaces the
 locator list and this with it.)
 """
@@ -28,14 +29,14 @@ def _hash(stats: tuple) -> bytes:
     h = hashlib.sha256()
     for path, _, _ in stats:
         with open(path, "rb") as f:
-            h.update(os.path.basename(path).encode() + b"\0" + f.read() + b"\0")
+            h.update(os.path.relpath(path, KERNEL_DIR).encode() + b"\0" + f.read() + b"\0")
     return h.digest()
 
 
 def sources_stamp() -> bytes:
-    """sha256 over this folder's .py files (name and content, in name order); recomputed when
-    a file's mtime or size changes."""
-    paths = sorted(glob.glob(os.path.join(KERNEL_DIR, "*.py")))
+    """sha256 over the .py files of this folder and its subfolders (relative name and content,
+    in name order); recomputed when a file's mtime or size changes."""
+    paths = sorted(glob.glob(os.path.join(KERNEL_DIR, "**", "*.py"), recursive=True))
     return _hash(tuple((p, os.stat(p).st_mtime_ns, os.stat(p).st_size) for p in paths))
 
 
@@ -59,7 +60,7 @@ class KernelSourcesLocator(caching._CacheLocator):
 
     @classmethod
     def from_function(cls, py_func, py_file):
-        if os.path.dirname(os.path.abspath(py_file)) != KERNEL_DIR:
+        if not os.path.abspath(py_file).startswith(KERNEL_DIR + os.sep):
             return None
         for other in _IMPL._locator_classes:
             if other is not cls:

@@ -71,7 +71,7 @@ class Mamba2Mixer(nn.Module):
 
     def _project(self, u):
         """self._split(self.in_proj(u)) as three products over in_proj's row blocks (z, xBC,
-        dt): the same numbers, without the (b, L, 2 d_inner + 2 G N + h) product's odd width
+        dt), in every path (training, prefill, step): the same numbers, without the (b, L, 2 d_inner + 2 G N + h) product's odd width
         (518 at the seed size: its forward took 1.5x a 512-wide one) and without the backward
         concatenating the three parts' gradients into it (up to 1.9 ms a layer in float32,
         torch.profiler, the seed model)."""
@@ -119,7 +119,7 @@ class Mamba2Mixer(nn.Module):
     def _forward_with_state(self, u, state):
         """The layer over u (b, L, d) continuing from `state` (None: zeros), and its new state."""
         conv_state, ssm_state = state if state is not None else self.empty_state(u.shape[0], u.device, u.dtype)
-        z, xBC, dt = self._split(self.in_proj(u))
+        z, xBC, dt = self._project(u)
         xs = torch.cat([conv_state.to(xBC.dtype), xBC.transpose(1, 2)], dim=-1)   # (b, cd, K + L)
         x = F.silu(F.conv1d(xs[..., 1:], self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim))
         y, last = self._ssd(x.transpose(1, 2), dt, initial_states=ssm_state, return_final_states=True)
@@ -135,7 +135,7 @@ class Mamba2Mixer(nn.Module):
         c = self.cfg
         conv_state, ssm_state = state
         b = u.shape[0]
-        z, xBC, dt = self._split(self.in_proj(u))                       # (b, di), (b, cd), (b, h)
+        z, xBC, dt = self._project(u)                                      # (b, di), (b, cd), (b, h)
         conv_state = torch.cat([conv_state[..., 1:], xBC.unsqueeze(-1).to(conv_state.dtype)], dim=-1)
         xBC = F.silu((conv_state * self.conv1d.weight.squeeze(1)).sum(-1) + self.conv1d.bias)
         gn = c.ngroups * c.d_state
