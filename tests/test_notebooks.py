@@ -46,7 +46,7 @@ TINY = {
     "10_recall_and_state.ipynb": dict(mqar_models=["mamba", "mamba2", "mamba3", "attention"], mqar_states=[4, 8],
                                       mqar_length=16, mqar_vocab=16, mqar_d_model=16, mqar_steps=3,
                                       track_tasks=["parity", "modsum"], track_length=8, track_lengths=[8, 32],
-                                      track_d_model=16, track_d_state=4, track_steps=3, n_test=4),
+                                      track_d_model=16, track_d_state=4, track_steps=3, spread_seeds=[1], n_test=4),
     "09_mamba2_ssd.ipynb": dict(duality_length=40, block_length=32, block_chunk=8, lengths=[32, 64],
                                 time_repeat=1, states=[8, 16], cost_length=32, race_steps=3, race_d_model=16,
                                 race_seq_len=16, race_batch=2),
@@ -323,7 +323,11 @@ def test_notebook_10_trains_recall_against_n_and_state_tracking_by_length(tmp_pa
             ((True, False, 1.0) if recipe else (False, True, 0.02)), run
     assert "every run reached its planned steps (8 runs)" in text          # the MQAR table, the ablation too
     assert "attention (RoPE), no recipe" in text
-    assert "every run reached its planned steps (16 runs)" in text         # the end
+    assert "every run reached its planned steps (20 runs)" in text         # the end: 8 + 10 + the spread's 2
+    for run in ("parity-mamba3-half-turn", "parity-mamba3-seed1", "parity-mamba3-half-turn-seed1"):
+        assert json.loads((tmp_path / "run" / run / "summary.json").read_text())["steps"] == 3, run
+    assert re.search(r"parity at 4x the trained length across seeds, Mamba-3, half-turn angle: at least 95% at "
+                     r"[0-2] of 2 seeds \(0: \d+\.\d%, 1: \d+\.\d%\)", text)
     for line in ("Mamba-2 above Mamba-1 at N=16", "far above Mamba-1 at N=16", "8 (trained)", "32 (4x)",
                  "Mamba-3, trapezoid off (Euler)", "rotating state cos", "steps planned"):
         assert line in text, line

@@ -47,7 +47,7 @@ class ModelConfig:
     rope_fraction: float = 0.5  # mamba3: the share of the state rotated by data-dependent angles (0: no rotation)
     trapezoid: bool = True      # mamba3: the exponential-trapezoidal update (false: exponential Euler)
     bounded_angle: float = 0.0  # mamba3: 0 the paper's step angle Delta theta; g > 0: pi sigmoid(g theta),
-                                # within (0, pi) and saturating at a half turn (state tracking's recipe)
+                                # within (0, pi), saturating at 0 and a half turn (notebook 10's half-turn row)
     tie_embeddings: bool = True # the output head shares the embedding's weight (false: its own, nn.Linear's init)
     embed_std: float = 0.02     # the embedding's initial standard deviation (mamba_ssm's 0.02; 1.0: unit-variance inputs)
     layers: str = ""            # a hybrid stack, one block per layer: e.g. mamba2,mamba2,attention,mamba2

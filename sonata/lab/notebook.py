@@ -220,6 +220,7 @@ RANGES = {
         "track_models": ListOf(OneOf(*TRACK_MODELS), 1, len(TRACK_MODELS)), "track_length": Range(4, 1024),
         "track_lengths": ListOf(Range(1, 16384), 1, 10), "track_d_model": OneOf(16, 32, 64, 128),
         "track_d_state": Range(4, 128), "track_layers": Range(1, 4), "track_steps": Range(1, 1_000_000), "track_cap_s": Range(1, 7200, float),
+        "spread_models": ListOf(OneOf(*TRACK_MODELS), 0, len(TRACK_MODELS)), "spread_seeds": ListOf(SEED, 0, 8),
         "n_test": Range(1, 4096), "seed": SEED, "out_dir": Text(),
     },
 }

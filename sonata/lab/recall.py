@@ -1,9 +1,10 @@
 """Notebook 10's study: what Mamba-2 and Mamba-3 are for, on a CPU. Associative recall (MQAR)
 against the state size N for Mamba-1, Mamba-2, Mamba-3 and attention, beside the Mamba-2
 paper's ordering (Dao and Gu 2024, section 9.1, figure 8); state tracking (parity, a modular
-sum) by test length for Mamba-2, Mamba-3 and Mamba-3's two ablations (rotation off, trapezoid
-off), trained at one length (the Mamba-3 paper's claim: a rotating state counts, a real one
-cannot).
+sum) by test length for Mamba-2, Mamba-3, Mamba-3's two ablations (rotation off, trapezoid
+off) and Mamba-3 with a half-turn angle (`model.bounded_angle`, exact at 0 and pi), trained at
+one length (the Mamba-3 paper's claim: a rotating state counts, a real one cannot); and the
+parity runs again at other seeds (`seed_runs`: how much a result owes to its seed).
 
 Every run is defined by its steps (`steps`, the same training on any host); `cap_s` caps its
 training seconds and the run's row says when it stopped short (sonata.lab.selection's
@@ -27,10 +28,12 @@ MODELS = {
     "mamba3": ("Mamba-3", {"model.arch": "mamba3"}),
     "mamba3-no-rotation": ("Mamba-3, rotation off", {"model.arch": "mamba3", "model.rope_fraction": 0.0}),
     "mamba3-euler": ("Mamba-3, trapezoid off (Euler)", {"model.arch": "mamba3", "model.trapezoid": False}),
+    "mamba3-half-turn": ("Mamba-3, half-turn angle", {"model.arch": "mamba3", "model.bounded_angle": 4.0}),
     "attention": ("attention (RoPE)", {"model.arch": "attention"}),
 }
 RECALL_MODELS = ("mamba", "mamba2", "mamba3", "attention")
-TRACK_MODELS = ("mamba2", "mamba3", "mamba3-no-rotation", "mamba3-euler")
+TRACK_MODELS = ("mamba2", "mamba3", "mamba3-no-rotation", "mamba3-euler", "mamba3-half-turn")
+ROTATING = ("mamba3", "mamba3-euler", "mamba3-half-turn")    # the models the Mamba-3 paper's claim is about
 TRACK_TASKS = {"parity": {"task.name": "parity"}, "modsum": {"task.name": "modsum", "task.modulus": 5}}
 
 # Every run: Adam without weight decay, lr 3e-3 constant after 50 warm-up steps, batch 32,
@@ -155,37 +158,96 @@ def recall_verdicts(rows: list[dict], margin: float = 0.05) -> list[dict]:
     return out
 
 
+def _track_one(task: str, model: str, steps: int, cap_s: float, length: int, test_lengths, d_model: int,
+               d_state: int, n_test: int, seed: int, folder, progress, n_layers: int) -> tuple[dict, list[dict]]:
+    """Train one (task, model) at `seed` and score it -> (its run row, accuracy_by_length's rows)."""
+    o = track_overrides(task, model, steps, cap_s, length, d_model, d_state, seed, n_layers)
+    m, s = train_steps(o, folder, progress=progress)
+    t = make_task(make_config(o).task)
+    acc = accuracy_by_length(m, t, list(test_lengths), n_test, n_test, seed=1234)
+    return ({"task": task, "model": label(model), "seed": seed, "params": s["params"], **steps_fields(s),
+             "val accuracy": round(s["val_acc"], 4)}, acc)
+
+
 def track_runs(tasks, models, steps: int, cap_s: float = 0.0, length: int = 64, test_lengths=(64, 256),
                d_model: int = 32, d_state: int = 16, n_test: int = 128, seed: int = 0, out_dir=None,
                progress=None, n_layers: int = 2) -> tuple[list[dict], dict]:
     """Train each (task, model) at `length` and score it at `test_lengths` -> (one run row
-    each: task, model, steps and seconds; {(task, model label): accuracy_by_length's rows})."""
+    each: task, model, seed, steps and seconds; {(task, model label): accuracy_by_length's rows})."""
     runs, acc = [], {}
     for task in tasks:
         for model in models:
-            o = track_overrides(task, model, steps, cap_s, length, d_model, d_state, seed, n_layers)
-            m, s = train_steps(o, _folder(out_dir, f"{task}-{model}"), progress=progress)
-            t = make_task(make_config(o).task)
-            acc[(task, label(model))] = accuracy_by_length(m, t, list(test_lengths), n_test, n_test, seed=1234)
-            runs.append({"task": task, "model": label(model), "params": s["params"], **steps_fields(s),
-                         "val accuracy": round(s["val_acc"], 4)})
+            row, acc[(task, label(model))] = _track_one(task, model, steps, cap_s, length, test_lengths, d_model,
+                                                         d_state, n_test, seed, _folder(out_dir, f"{task}-{model}"),
+                                                         progress, n_layers)
+            runs.append(row)
     return runs, acc
+
+
+def seed_runs(task: str, models, seeds, steps: int, cap_s: float = 0.0, length: int = 64, test_lengths=(64, 256),
+              d_model: int = 32, d_state: int = 16, n_test: int = 128, out_dir=None, progress=None,
+              n_layers: int = 2) -> tuple[list[dict], dict]:
+    """`track_runs`' training of one task again at each of `seeds` (how much a result owes to
+    its seed) -> (run rows; {(model label, seed): accuracy_by_length's rows}); run folders
+    '<task>-<model>-seed<seed>'."""
+    runs, acc = [], {}
+    for model in models:
+        for seed in seeds:
+            row, acc[(label(model), seed)] = _track_one(task, model, steps, cap_s, length, test_lengths, d_model,
+                                                         d_state, n_test, seed,
+                                                         _folder(out_dir, f"{task}-{model}-seed{seed}"), progress,
+                                                         n_layers)
+            runs.append(row)
+    return runs, acc
+
+
+def with_seed(track_acc: dict, acc: dict, task: str, models, seed: int) -> dict:
+    """`seed_runs`' accuracies with the main run's (`track_runs` at `seed`) first: {(model label,
+    seed): rows} for each of `models` that both ran."""
+    main = {(label(m), seed): track_acc[(task, label(m))] for m in models if (task, label(m)) in track_acc}
+    return {**main, **{k: v for k, v in acc.items() if k not in main}}
 
 
 def _len_label(length: int) -> str:
     return f"{length:,}"
 
 
+def _length_columns(res, train_length: int) -> dict:
+    """{'L (kx)' or 'L (trained)': accuracy (%)} of accuracy_by_length's rows."""
+    out = {}
+    for r in res:
+        k = r["length"] / train_length
+        head = _len_label(r["length"]) + (f" ({k:g}x)" if k != 1 else " (trained)")
+        out[head] = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.1f}"
+    return out
+
+
 def track_table(acc: dict, train_length: int) -> list[dict]:
     """One row per (task, model): accuracy (%) by test length, each column 'L' or 'L (kx)'."""
+    return [{"task": task, "model": model, **_length_columns(res, train_length)} for (task, model), res in acc.items()]
+
+
+def seed_table(acc: dict, train_length: int) -> list[dict]:
+    """`seed_runs`' accuracies: one row per (model, seed), accuracy (%) by test length."""
+    return [{"model": model, "seed": seed, **_length_columns(res, train_length)} for (model, seed), res in acc.items()]
+
+
+def _at(res, length: int):
+    return next((r["accuracy"] for r in res if r["length"] == length and r["accuracy"] is not None), None)
+
+
+def seed_verdicts(acc: dict, train_length: int, factor: int = 4, level: float = 0.95) -> list[dict]:
+    """Per model of `seed_runs`: at how many seeds it reached `level` at `factor` x the trained
+    length, and each seed's accuracy there ('not run' where that length was not tested)."""
+    out = {}
+    for (model, seed), res in acc.items():
+        out.setdefault(model, []).append((seed, _at(res, factor * train_length)))
     rows = []
-    for (task, model), res in acc.items():
-        row = {"task": task, "model": model}
-        for r in res:
-            k = r["length"] / train_length
-            head = _len_label(r["length"]) + (f" ({k:g}x)" if k != 1 else " (trained)")
-            row[head] = f"{100 * r['accuracy']:.1f}"
-        rows.append(row)
+    for model, got in out.items():
+        run = [(s, a) for s, a in got if a is not None]
+        rows.append({"model": model, f"seeds at {level:.0%} or more at {factor}x":
+                     f"{sum(a >= level for _, a in run)} of {len(run)}" if run else "not run",
+                     "by seed": ", ".join(f"{s}: {100 * a:.1f}%" for s, a in run) or "-"})
     return rows
 
 
@@ -200,17 +262,16 @@ def track_verdicts(acc: dict, train_length: int, factor: int = 4, level: float =
     without rotation within `near` of chance. 'not run' where that length was not tested."""
     out = []
     for (task, model), res in acc.items():
-        r = next((r for r in res if r["length"] == factor * train_length and r["accuracy"] is not None), None)
+        a = _at(res, factor * train_length)
         c = chance(task)
-        rotating = model in (label("mamba3"), label("mamba3-euler"))
+        rotating = model in [label(m) for m in ROTATING]
         claim = f"at least {level:.0%}" if rotating else f"near chance ({c:.0%} +- {near:.0%})"
-        if r is None:
+        if a is None:
             holds = "not run"
         else:
-            ok = r["accuracy"] >= level if rotating else abs(r["accuracy"] - c) <= near
-            holds = "yes" if ok else "no"
+            holds = "yes" if (a >= level if rotating else abs(a - c) <= near) else "no"
         out.append({"task": task, "model": model, f"claim at {factor}x": claim,
-                    "measured": "-" if r is None else f"{100 * r['accuracy']:.1f}%", "holds": holds})
+                    "measured": "-" if a is None else f"{100 * a:.1f}%", "holds": holds})
     return out
 
 

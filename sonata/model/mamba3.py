@@ -13,9 +13,13 @@ R(phi) rotates pairs of the first R = rope_fraction x N state channels by phi_t 
 theta_t (a complex-valued state written in real pairs); `model.rope_fraction=0` turns the
 rotation off, `model.trapezoid=false` makes lam = 1 (exponential Euler: Mamba-2's update).
 `model.bounded_angle=g` (g > 0; not the paper's) makes the step's angle pi sigmoid(g theta_t):
-within (0, pi), and a half turn is reached by saturation, so an angle that a token must turn by
-exactly pi (parity) stops depending on the rest of the layer's input. A probe, not the
-notebooks' default: it cannot turn by more than pi, which a sum mod 5 needs (docs/results.md).
+within (0, pi), and 0 and a half turn are reached by saturation, so an angle that a token must
+turn by exactly pi (parity) stops depending on the rest of the layer's input. Notebook 10
+trains it as "Mamba-3, half-turn angle" beside the paper's angle; it cannot turn by more than
+pi, which a sum mod 5 needs (docs/results.md). mamba_ssm's released Mamba-3 differs from the
+equations above in two places sonata keeps as the paper prints them: its step angle is
+Delta_t pi tanh(theta_t) with one theta per pair shared by every head, and its A has no bias
+(|A| = softplus(0) at a zero input, where `a_bias` starts |A| in U(1, 16) as Mamba-2's A).
 
 The fast path runs on the SSD kernel (`sonata.kernels.ssd.ssd`). In the frame that turns with
 the accumulated angle Theta_t = phi_1 + ... + phi_t (h~ = R(-Theta) h) the rotation moves onto

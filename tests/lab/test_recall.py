@@ -35,6 +35,7 @@ def test_a_tracking_run_trains_every_prefix_at_one_length(task, model):
     assert m.arch == model.split("-")[0]
     assert (m.rope_fraction == 0.0) == (model == "mamba3-no-rotation")
     assert m.trapezoid == (model != "mamba3-euler")
+    assert m.bounded_angle == (4.0 if model == "mamba3-half-turn" else 0.0)
 
 
 def test_the_tracking_curriculum_leaves_out_stages_shorter_than_two():
@@ -98,14 +99,30 @@ def test_the_tracking_claims_at_four_times_the_trained_length():
            ("parity", "Mamba-2"): _acc([(64, 1.0), (256, 0.55)]),
            ("parity", "Mamba-3, rotation off"): _acc([(64, 0.9), (256, 0.75)]),
            ("modsum", "Mamba-3, trapezoid off (Euler)"): _acc([(64, 1.0), (256, 0.94)]),
-           ("modsum", "Mamba-2"): _acc([(64, 1.0)])}
+           ("modsum", "Mamba-2"): _acc([(64, 1.0)]),
+           ("parity", "Mamba-3, half-turn angle"): _acc([(64, 1.0), (256, 0.94)])}
     v = recall.track_verdicts(acc, 64)
-    assert [r["holds"] for r in v] == ["yes", "yes", "no", "no", "not run"]
+    assert [r["holds"] for r in v] == ["yes", "yes", "no", "no", "not run", "no"]
+    assert v[5]["claim at 4x"] == "at least 95%"                  # the half-turn angle rotates: the paper's claim
     assert v[1]["claim at 4x"] == "near chance (50% +- 10%)" and v[3]["claim at 4x"] == "at least 95%"
     assert v[4]["measured"] == "-"
     assert recall.chance("modsum") == pytest.approx(0.2)
     table = recall.track_table(acc, 64)
     assert table[0] == {"task": "parity", "model": "Mamba-3", "64 (trained)": "100.0", "256 (4x)": "97.0"}
+
+
+def test_the_seed_spread_counts_the_seeds_that_hold_at_four_times_and_leads_with_the_main_run():
+    track = {("parity", "Mamba-3"): _acc([(64, 1.0), (256, 0.97)]), ("modsum", "Mamba-3"): _acc([(64, 1.0)])}
+    spread = {("Mamba-3", 1): _acc([(64, 1.0), (256, 0.52)]), ("Mamba-3", 2): _acc([(64, 1.0), (256, 0.95)]),
+              ("Mamba-3, half-turn angle", 1): _acc([(64, 1.0), (128, 0.99)])}
+    by_seed = recall.with_seed(track, spread, "parity", ["mamba3", "mamba3-half-turn"], seed=0)
+    assert list(by_seed) == [("Mamba-3", 0), ("Mamba-3", 1), ("Mamba-3", 2), ("Mamba-3, half-turn angle", 1)]
+    v = recall.seed_verdicts(by_seed, 64)
+    assert v == [{"model": "Mamba-3", "seeds at 95% or more at 4x": "2 of 3", "by seed": "0: 97.0%, 1: 52.0%, 2: 95.0%"},
+                 {"model": "Mamba-3, half-turn angle", "seeds at 95% or more at 4x": "not run", "by seed": "-"}]
+    assert recall.seed_table(by_seed, 64)[1] == {"model": "Mamba-3", "seed": 1, "64 (trained)": "100.0",
+                                                 "256 (4x)": "52.0"}
+    assert recall.seed_verdicts({}, 64) == []
 
 
 def test_a_rotating_state_reads_parity_at_any_length_and_a_decaying_sum_never_flips():
@@ -133,6 +150,14 @@ def test_the_runs_return_one_row_per_run_with_its_steps_and_accuracy(tmp_path):
                                   d_model=16, d_state=4, n_test=4)
     assert [(r["task"], r["model"], r["steps"]) for r in runs] == [("parity", "Mamba-3, trapezoid off (Euler)", 2)]
     assert [r["length"] for r in acc[("parity", "Mamba-3, trapezoid off (Euler)")]] == [8, 32]
+    runs, acc = recall.seed_runs("parity", ["mamba3-half-turn"], [3, 5], 2, 0.0, length=8, test_lengths=[8],
+                                 d_model=16, d_state=4, n_test=4, out_dir=tmp_path)
+    assert [(r["model"], r["seed"], r["steps"]) for r in runs] == [("Mamba-3, half-turn angle", 3, 2),
+                                                                   ("Mamba-3, half-turn angle", 5, 2)]
+    assert list(acc) == [("Mamba-3, half-turn angle", 3), ("Mamba-3, half-turn angle", 5)]
+    from sonata.core import checkpoint as ckpt
+    c = ckpt.load(tmp_path / "parity-mamba3-half-turn-seed5" / "checkpoint.pt")["config"]
+    assert (c["train"]["seed"], c["model"]["bounded_angle"]) == (5, 4.0)
 
 
 def test_notebook_10s_parameters_out_of_range_are_one_line():
@@ -145,3 +170,6 @@ def test_notebook_10s_parameters_out_of_range_are_one_line():
         check("10_recall_and_state", {"mqar_d_model": 48})
     check("10_recall_and_state", {"mqar_vocab": 8, "mqar_length": 8})          # 3 keys for 2 pairs
     check("10_recall_and_state", {"mqar_vocab": 8192, "mqar_length": 256})
+    check("10_recall_and_state", {"spread_models": [], "spread_seeds": []})     # no spread: allowed
+    with pytest.raises(ParameterError, match=r"^parameter spread_seeds = \[-1\] holds -1, which is out of range"):
+        check("10_recall_and_state", {"spread_seeds": [-1]})
