@@ -58,7 +58,7 @@ lab: $(STAMP)
 
 # nbval re-runs each notebook at its defaults, but not the four whose default is a long
 # training run: notebook 01 (1,500 steps, 1-3 minutes; `make train` is that run), notebook
-# 07 (five runs of 10 minutes), notebook 08 (about two hours of runs) and notebook 10 (15 runs
+# 07 (five runs of 10 minutes), notebook 08 (about two hours of runs) and notebook 10 (24 runs
 # of 2,000-3,000 steps). tests/test_notebooks.py runs them under papermill with short budgets
 # and checks notebook 01's nbval-checked cells.
 #
