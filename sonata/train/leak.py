@@ -182,15 +182,16 @@ class LeakDetector:
         # 16 readings after settling caught one rise, 10 MiB a step (+- 0.9) over 8 allowed: a
         # leak by both measures, on memory that fell back to 801 MiB at the next step.
         band = swing(self.samples[:self.skip]) if self.skip >= STAGE_SETTLE_STEPS else 0.0
-        allowed = self.allowance()
+        allowed = self.allowance(len(window))
         # lazily: the median over every pair (32,640 in a full window) only when `trend` agrees
         return all(slope > allowed and slope > self.z * err and slope * (len(window) - 1) > band
                    for slope, err in (measure(window) for measure in (trend, median_slope)))
 
-    def allowance(self) -> float:
-        """The growth per step the window may show: `threshold`, EARLY_FACTOR times it while the
-        window holds fewer than EARLY_READINGS readings."""
-        return self.threshold * (EARLY_FACTOR if len(self._window()) < EARLY_READINGS else 1.0)
+    def allowance(self, readings: int | None = None) -> float:
+        """The growth per step a window of `readings` readings (None: the current window's)
+        may show: `threshold`, EARLY_FACTOR times it below EARLY_READINGS readings."""
+        n = len(self._window()) if readings is None else readings
+        return self.threshold * (EARLY_FACTOR if n < EARLY_READINGS else 1.0)
 
     def verdict(self) -> str:
         """`LEAK`, `flat`, or what a run too short to judge needs."""
