@@ -482,6 +482,39 @@ class TaskEval:
 # so a sequence of 2^20 keeps a few tens of MiB of activations whatever the batch (2^16 measured
 # 1.77 GiB of peak resident set for the seed-sized task model; this, under 1 GiB).
 EVAL_TOKENS = 1 << 14
+# Answers per call of the head in evaluation: their logits, (this many x vocabulary) floats
+# (32 MiB at MQAR's vocabulary of 8,192), are all the scoring holds beside the forward's own
+# activations, however many answers a batch has.
+EVAL_ANSWERS = 1 << 10
+
+
+def _at_answers(model, head, x, state, chunked: bool, pos: torch.Tensor):
+    """`model` over the block x (b, t), carrying `state` when `chunked` -> (what is scored at
+    the positions `pos` (k,) of the block, (b, k, .), the new state). `head` (a MambaLM's
+    `lm_head`): the model's `hidden` states there, which the caller runs the head on; `head`
+    None: the model's whole logits, read at `pos`."""
+    run = model.hidden if head is not None else model
+    if chunked:
+        out, state = run(x, state, return_state=True)
+    else:
+        out, state = run(x), None
+    return out[:, pos], state
+
+
+def _score(feats: torch.Tensor, head, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed cross-entropy (float64) and the count of right argmaxes at the answers whose
+    head inputs (or, `head` None, logits) are `feats` (b, k, .) and targets `target` (b, k),
+    EVAL_ANSWERS answers' logits at a time."""
+    feats, target = feats.reshape(-1, feats.shape[-1]), target.reshape(-1)
+    loss = torch.zeros((), dtype=torch.float64, device=target.device)
+    right = torch.zeros((), dtype=torch.int64, device=target.device)
+    for a in range(0, target.numel(), EVAL_ANSWERS):
+        part = feats[a:a + EVAL_ANSWERS]
+        logits, y = (part if head is None else head(part)).float(), target[a:a + EVAL_ANSWERS]
+        loss += torch.nn.functional.cross_entropy(logits, y, reduction="sum").double()
+        right += (logits.argmax(-1) == y).sum()
+        del logits                         # before the next slice's logits are made
+    return loss, right
 
 
 @torch.no_grad()
@@ -492,34 +525,39 @@ def evaluate_task(model, task: Task, length: int, n: int, seed: int, *, chunked:
     forward call); `chunked`: each batch runs block by block (`EVAL_BLOCK` positions) carrying
     its recurrent state (`model(x, state, return_state=True)`), so memory grows neither with
     the length nor with n (but for attention, whose state is every key and value: pass
-    chunked=False, one pass over each whole sequence)."""
+    chunked=False, one pass over each whole sequence). Each block is reduced at once to the
+    summed loss and the count of right answers, so no logits outlive their block; the head
+    (`lm_head` over `hidden`, a MambaLM's) runs at the answer positions alone, EVAL_ANSWERS at
+    a time, so none are computed where nothing is scored (a model without them: its whole
+    logits, read at the answers)."""
     device = device or next(model.parameters()).device
     was_training = model.training
     model.eval()
     rows = max(1, min(n, EVAL_TOKENS // min(EVAL_BLOCK if chunked else length, length)))
-    picked, targets = [], []                                            # logits at the answers
-    for r0 in range(0, n, rows):                 # a batch of sequences at a time, block by block
-        blocks, ans = task.eval_blocks(range(r0, min(n, r0 + rows)), length, seed)
-        if not chunked:
-            blocks = [torch.cat(list(blocks), dim=1)]
-        state, got, t0 = None, torch.empty(ans.target.shape + (task.vocab_size,)), 0
-        for x in blocks:
-            t1 = t0 + x.shape[1]
-            if chunked:
-                logits, state = model(x.to(device), state, return_state=True)
-            else:
-                logits = model(x.to(device))
-            inside = (ans.pos >= t0) & (ans.pos < t1)
-            if inside.any():
-                got[:, inside] = logits[:, ans.pos[inside] - t0].float().cpu()
-            t0 = t1
-        picked.append(got)
-        targets.append(ans.target)
-    picked, target = torch.cat(picked), torch.cat(targets)
-    model.train(was_training)
-    loss = torch.nn.functional.cross_entropy(picked.reshape(-1, task.vocab_size), target.reshape(-1))
-    acc = (picked.argmax(-1) == target).float().mean()
-    return TaskEval(loss=float(loss), accuracy=float(acc), sequences=n, length=length)
+    head = getattr(model, "lm_head", None) if hasattr(model, "hidden") else None   # a MambaLM's
+    loss = torch.zeros((), dtype=torch.float64, device=device)          # summed over the answers
+    right = torch.zeros((), dtype=torch.int64, device=device)
+    answers = 0
+    try:
+        for r0 in range(0, n, rows):             # a batch of sequences at a time, block by block
+            blocks, ans = task.eval_blocks(range(r0, min(n, r0 + rows)), length, seed)
+            if not chunked:
+                blocks = [torch.cat(list(blocks), dim=1)]
+            state, t0 = None, 0
+            for x in blocks:
+                t1 = t0 + x.shape[1]
+                inside = (ans.pos >= t0) & (ans.pos < t1)
+                feats, state = _at_answers(model, head, x.to(device), state, chunked,
+                                           (ans.pos[inside] - t0).to(device))
+                block_loss, block_right = _score(feats, head, ans.target[:, inside].to(device))
+                del feats                         # not held through the next forward
+                loss += block_loss
+                right += block_right
+                t0 = t1
+            answers += ans.target.numel()
+    finally:
+        model.train(was_training)
+    return TaskEval(loss=float(loss) / answers, accuracy=int(right) / answers, sequences=n, length=length)
 
 
 LONG = 1 << 16      # lengths above this are scored on `n_long` sequences (each costs n / n_long times more)

@@ -72,16 +72,25 @@ class MambaLM(nn.Module):
         """-> logits (b, L, vocab); with `return_state` (or a `state`, the list a previous
         call returned) -> (logits, state): the next call continues the sequence, so a long one
         runs chunk by chunk in bounded memory (attention's state grows with the sequence)."""
+        if state is None and not return_state:
+            return self.lm_head(self.hidden(idx))                       # (b, L, vocab)
+        h, new = self.hidden(idx, state, return_state=True)
+        return self.lm_head(h), new
+
+    def hidden(self, idx, state=None, return_state: bool = False):
+        """What the head reads: the last layer's output after the final norm (b, L, d_model), with
+        the state as `forward` has it; `lm_head(hidden(idx))` is `forward(idx)`. For scoring a few
+        positions without the logits of every one (sonata.data.tasks.evaluate_task)."""
         h = self.embedding(idx)
         if state is None and not return_state:
             for layer in self.layers:
                 h = layer(h)
-            return self.lm_head(self.norm_f(h))                         # (b, L, vocab)
+            return self.norm_f(h)
         new = []
         for layer, s in zip(self.layers, state if state is not None else [None] * len(self.layers)):
             h, s = layer(h, s, return_state=True)
             new.append(s)
-        return self.lm_head(self.norm_f(h)), new
+        return self.norm_f(h), new
 
     def _need_mamba(self, what: str) -> None:
         if not self.cfg.recurrent:
