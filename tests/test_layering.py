@@ -21,7 +21,7 @@ PACKAGES = [
     ["entry"],                          # __main__ and launch: sonata/'s only top-level modules
 ]
 INSIDE = {
-    "core": [{"errors", "inject", "rng"}, {"config", "device", "progress", "checkpoint"}],
+    "core": [{"errors", "inject", "rng", "jsonsafe"}, {"config", "device", "progress", "checkpoint"}],
     "kernels": [{"numba_cache", "reference", "autograd", "ssd.reference"},
                 {"cpu_simd", "ssd.triton_fwd", "ssd.cpu_fused", "ssd.step", "ssd.cpu_steps", "ssd.cpu_recurrent"},
                 {"cpu_scan", "cpu_conv", "cpu_norm", "cpu_loss", "decode_cpu", "triton", "ssd.cpu", "ssd.triton_bwd"},

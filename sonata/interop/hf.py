@@ -23,6 +23,12 @@ out_proj; transformers' Mamba2Mixer has the same). `a_param=direct` models store
 is written as A_log = log(-A), which exists only where A < 0 everywhere.
 transformers is not needed here: only `safetensors` (transformers loads the result).
 
+Every path that reads a config.json (import_hf, so `generate` / `eval` / `import DIR`, and
+`hf_accelerate` through `config_from_hf`) reads it through one validating reader
+(`read_hf_config`, `HfFields`): a value of the wrong kind, a size that is not a positive whole
+number, a boolean written as a string, a NaN or infinite float is one CheckpointError naming
+the file and the key.
+
 `import_checkpoint` (the CLI's `python -m sonata import DIR --out CKPT`) writes an imported
 folder as a sonata checkpoint that `train --init CKPT` starts from, with the overrides that
 rebuild its shape (`train_overrides`).
@@ -44,6 +50,7 @@ from sonata.core.errors import CheckpointError, SonataError
 from sonata.data.vocab import Vocab
 from sonata.model.lm import MambaLM
 
+CONFIG_FILE = "config.json"
 VOCAB_FILE = "vocab.json"
 SONATA_CONFIG_FILE = "sonata_config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -222,15 +229,19 @@ def export_hf(model: MambaLM, vocab: Vocab | None, out_dir, cfg: Config | None =
     out = Path(os.path.abspath(out_dir))                # `--hf .` names the folder it is
     if out.exists() and not out.is_dir():
         raise SonataError(f"--hf {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not force:
+    try:
+        filled = out.is_dir() and any(out.iterdir())
+    except OSError as e:
+        raise SonataError(f"--hf {out} cannot be read: {e.strerror or e}") from None
+    if filled and not force:
         raise SonataError(f"--hf {out} is a folder that is not empty; choose a new or empty one "
                           f"(or --force to replace it and everything in it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)                        # mkdtemp's 0700 is not an export's mode
+    tmp = _export_workspace(out)
+    moved = []                                           # files placed in an empty `out`, so far
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)                    # mkdtemp's 0700 is not an export's mode
         conf = hf_config(model)
         st.save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
@@ -247,21 +258,46 @@ def export_hf(model: MambaLM, vocab: Vocab | None, out_dir, cfg: Config | None =
         if out.is_dir() and not any(out.iterdir()):      # empty (the current folder, say): filled
             for f in sorted(tmp.iterdir()):              # in place, so whoever stands in it stays
                 f.rename(out / f.name)
+                moved.append(out / f.name)
             tmp.rmdir()
         elif out.exists():                               # replaced whole, with force
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             out.rename(old)
-            tmp.rename(out)
+            try:
+                tmp.rename(out)
+            except BaseException:
+                old.rename(out)                          # the folder it replaces stays as it was
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(out)
-    except OSError as e:
+    except BaseException as e:
+        for f in moved:                                  # an empty folder is left empty
+            try:
+                f.unlink(missing_ok=True)
+            except OSError:
+                pass
         shutil.rmtree(tmp, ignore_errors=True)
-        raise SonataError(f"cannot write the export {out}: {e.strerror or e}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise SonataError(f"cannot write the export {out}: {e.strerror or e}") from None
         raise
     return out
+
+
+def _export_workspace(out: Path) -> Path:
+    """A new temporary folder beside `out` (its parent created if need be), or one SonataError
+    naming what is in the way: a file where a folder should be, a folder that cannot be written
+    (no permission, a read-only filesystem)."""
+    parent = out.parent
+    blocker = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise SonataError(f"--hf {out} cannot be created: {blocker} is a file, not a folder")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+    except OSError as e:
+        raise SonataError(f"--hf {out} cannot be written: the folder {parent} refuses it "
+                          f"({e.strerror or _first_line(e)})") from None
 
 
 # --------------------------------------------------------------------------- import
@@ -274,13 +310,112 @@ def load_vocab(path) -> Vocab | None:
     try:
         d = json.loads(f.read_text())
         return Vocab.from_state_dict({"kind": d["kind"], "tokens": torch.tensor(d["tokens"], dtype=torch.int64)})
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{f} is not a sonata vocabulary ({str(e).splitlines()[0][:120]})") from None
+    except (OSError, KeyError, TypeError, ValueError, AttributeError, IndexError) as e:   # JSON, UTF-8 errors too
+        raise CheckpointError(f"{f} is not a sonata vocabulary ({_first_line(e)})") from None
 
 
 def is_hf_dir(path) -> bool:
     p = Path(path)
-    return p.is_dir() and (p / "config.json").exists()
+    return p.is_dir() and (p / CONFIG_FILE).exists()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:160] if text else type(e).__name__
+
+
+def read_hf_config(path) -> dict:
+    """The JSON object in `path`/config.json, or a CheckpointError naming the file: missing,
+    unreadable, not UTF-8, not JSON, or JSON that is not an object. Its values are checked
+    where they are read (`HfFields`)."""
+    f = Path(path) / CONFIG_FILE
+    try:
+        conf = json.loads(f.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is not a transformers model folder (no {CONFIG_FILE})") from None
+    except OSError as e:
+        raise CheckpointError(f"{f} cannot be read: {e.strerror or _first_line(e)}") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{f} is not UTF-8 text ({_first_line(e)})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{f} is not JSON ({e})") from None
+    if not isinstance(conf, dict):
+        raise CheckpointError(f"{f} is not a JSON object of settings (it holds {_shown(conf)})")
+    return conf
+
+
+def _shown(value) -> str:
+    """A config value as config.json writes it (null, true, "abc", NaN), cut to 60 characters."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_REQUIRED = object()
+
+
+class HfFields:
+    """The values of a transformers config.json (a MambaConfig or Mamba2Config dict) as sonata
+    reads them, each checked where it is read: a value of the wrong kind (a string, null, a list,
+    true for a size), a size that is not a whole number or not positive, a boolean given as a
+    string, a NaN or infinite float is a CheckpointError naming the file and the key, with the
+    value as the file has it. A whole number may be written as a float (2.0). A key that is absent
+    takes the default given (transformers' own), or is an error when it has none.
+    `where`: "DIR/config.json" (or "config.json" for a dict from elsewhere, e.g. a loaded model's)."""
+
+    def __init__(self, conf: dict, path=""):
+        self.where = f"{path}/{CONFIG_FILE}" if str(path) else CONFIG_FILE
+        if not isinstance(conf, dict):
+            raise CheckpointError(f"{self.where} is not a JSON object of settings (it holds {_shown(conf)})")
+        self.conf = conf
+
+    def error(self, message: str) -> CheckpointError:
+        return CheckpointError(f"{self.where}: {message}")
+
+    def _bad(self, key, what: str) -> CheckpointError:
+        return self.error(f"{key} must be {what}, not {_shown(self.conf[key])}")
+
+    def raw(self, key, default=_REQUIRED):
+        if key not in self.conf:
+            if default is _REQUIRED:
+                raise CheckpointError(f"{self.where} has no {key!r}")
+            return default
+        return self.conf[key]
+
+    def whole(self, key, default=_REQUIRED, minimum: int = 1, what: str = "a whole number") -> int:
+        """A whole number >= minimum (2 or 2.0; not 1.5, "2", true, null, NaN)."""
+        v = self.raw(key, default)
+        if key not in self.conf:
+            return v
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or v != int(v) or v < minimum:
+            raise self._bad(key, f"{what} >= {minimum}")
+        return int(v)
+
+    def number(self, key, default=_REQUIRED, positive: bool = True) -> float:
+        """A finite number, > 0 when `positive` (else >= 0)."""
+        v = self.raw(key, default)
+        if key not in self.conf:
+            return v
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or (v <= 0 if positive else v < 0):
+            raise self._bad(key, f"a finite number {'>' if positive else '>='} 0")
+        return float(v)
+
+    def flag(self, key, default: bool) -> bool:
+        """JSON's true or false (not "false", 0 or null)."""
+        v = self.raw(key, default)
+        if not isinstance(v, bool):
+            raise self._bad(key, "true or false")
+        return v
+
+    def text(self, key, default=_REQUIRED) -> str:
+        v = self.raw(key, default)
+        if not isinstance(v, str):
+            raise self._bad(key, "a string")
+        return v
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -322,88 +457,99 @@ def _is_inf(v) -> bool:
 
 
 def config_from_hf(conf: dict, path="") -> Config:
-    """A sonata Config for a transformers MambaConfig or Mamba2Config dict; refuses, in one line
-    naming the field, what MambaLM cannot hold. The folder's sonata_config.json (an export's) is
-    the base; the shape comes from config.json."""
-    def need(key):
-        if key not in conf:
-            raise CheckpointError(f"{path}/config.json has no {key!r}")
-        return conf[key]
-
-    kind = conf.get("model_type")
+    """A sonata Config for a transformers MambaConfig or Mamba2Config dict (`read_hf_config`'s, or
+    a loaded model's `config.to_dict()`); every value it reads is checked (`HfFields`), and what
+    MambaLM cannot hold is refused, each in one line naming config.json and the key. The
+    folder's sonata_config.json (an export's) is the base; the shape comes from config.json."""
+    f = conf if isinstance(conf, HfFields) else HfFields(conf, path)
+    kind = f.raw("model_type", None)
+    if kind is not None:
+        f.text("model_type")
     if kind not in HF_CLASSES:
-        raise CheckpointError(f"{path}/config.json: model_type is {kind!r}; sonata imports Mamba-1 ('mamba') "
-                              f"and Mamba-2 ('mamba2') models only")
-    if conf.get("use_bias", False):
-        raise CheckpointError(f"{path}: use_bias=true (biases on in_proj/out_proj) is not a sonata MambaLM")
-    if conf.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{path}: hidden_act {conf['hidden_act']!r} is not silu")
-    d, expand = int(need("hidden_size")), need("expand")
-    if int(expand) != expand:
-        raise CheckpointError(f"{path}: expand {expand} is not a whole number (sonata's model.expand is)")
-    expand = int(expand)
-    cfg = Config()
-    p = Path(str(path)) / SONATA_CONFIG_FILE if path else None
-    if p is not None and p.exists():
-        try:
-            cfg = Config.from_dict(json.loads(p.read_text()))
-        except (json.JSONDecodeError, SonataError) as e:
-            raise CheckpointError(f"{p} is not a sonata config ({e})") from None
+        raise f.error(f"model_type is {kind!r}; sonata imports Mamba-1 ('mamba') and Mamba-2 ('mamba2') "
+                      f"models only")
+    if f.flag("use_bias", False):
+        raise f.error("use_bias=true (biases on in_proj/out_proj) is not a sonata MambaLM")
+    act = f.text("hidden_act", "silu")
+    if act != "silu":
+        raise f.error(f"hidden_act {act!r} is not silu")
+    d, expand = f.whole("hidden_size"), f.whole("expand")
+    n_layers, d_state = f.whole("num_hidden_layers"), f.whole("state_size")
+    d_conv, vocab_size = f.whole("conv_kernel", 4), f.whole("vocab_size")
+    norm_eps = f.number("layer_norm_epsilon", 1e-5)
+    # transformers' defaults: MambaConfig ties the head, Mamba2Config does not
+    tie = f.flag("tie_word_embeddings", kind == "mamba")
+    dt = {ours: f.number(theirs, None, positive=(theirs != "time_step_floor"))   # initialisation only:
+          for ours, theirs in (("dt_min", "time_step_min"), ("dt_max", "time_step_max"),   # kept for the record
+                               ("dt_init_floor", "time_step_floor"))}
+    if dt["dt_min"] is not None and dt["dt_max"] is not None and dt["dt_min"] > dt["dt_max"]:
+        raise f.error(f"time_step_min {dt['dt_min']} is larger than time_step_max {dt['dt_max']}")
+    cfg = _sonata_config_beside(path)
     m = cfg.model
     m.arch, m.layers = kind, ""
-    m.d_model, m.n_layers, m.d_state, m.expand = d, int(need("num_hidden_layers")), int(need("state_size")), expand
-    m.d_conv = int(conf.get("conv_kernel", 4))
-    m.vocab_size = int(need("vocab_size"))
-    m.norm_eps = float(conf.get("layer_norm_epsilon", 1e-5))
-    # transformers' defaults: MambaConfig ties the head, Mamba2Config does not
-    m.tie_embeddings = bool(conf.get("tie_word_embeddings", kind == "mamba"))
+    m.d_model, m.n_layers, m.d_state, m.expand = d, n_layers, d_state, expand
+    m.d_conv, m.vocab_size, m.norm_eps, m.tie_embeddings = d_conv, vocab_size, norm_eps, tie
     m.a_param = "log"
-    for ours, theirs in (("dt_min", "time_step_min"), ("dt_max", "time_step_max"), ("dt_init_floor", "time_step_floor")):
-        if theirs in conf:                               # initialisation only: kept for the record
-            setattr(m, ours, float(conf[theirs]))
+    for ours, v in dt.items():
+        if v is not None:
+            setattr(m, ours, v)
     if kind == "mamba2":
-        _mamba2_fields(conf, m, need, path)
+        _mamba2_fields(f, m)
     else:
-        inner, rank = conf.get("intermediate_size"), conf.get("time_step_rank", "auto")
-        if inner is not None and int(inner) != expand * d:
-            raise CheckpointError(f"{path}: intermediate_size {inner} is not expand x hidden_size")
-        m.dt_rank = math.ceil(d / 16) if rank == "auto" else int(rank)
+        inner = f.raw("intermediate_size", None)
+        if inner is not None and f.whole("intermediate_size") != expand * d:
+            raise f.error(f"intermediate_size {inner} is not expand x hidden_size ({expand} x {d})")
+        rank = f.raw("time_step_rank", "auto")
+        m.dt_rank = math.ceil(d / 16) if rank == "auto" else f.whole("time_step_rank", what='"auto" or a whole number')
     if m.vocab_size >= 258:
         cfg.data.vocab_size = m.vocab_size
     try:
         return cfg.validate()
     except SonataError as e:
-        raise CheckpointError(f"{path}: config.json is not a model sonata can build ({e})") from None
+        raise f.error(f"not a model sonata can build ({e})") from None
 
 
-def _mamba2_fields(conf: dict, m: ModelConfig, need, path) -> None:
+def _sonata_config_beside(path) -> Config:
+    """The Config in `path`/sonata_config.json (an export's), or the default one."""
+    p = Path(str(path)) / SONATA_CONFIG_FILE if str(path) else None
+    if p is None or not p.exists():
+        return Config()
+    try:
+        return Config.from_dict(json.loads(p.read_text(encoding="utf-8")))
+    except (OSError, SonataError, TypeError, ValueError, AttributeError, KeyError) as e:   # JSON, UTF-8 too
+        raise CheckpointError(f"{p} is not a sonata config ({_first_line(e)})") from None
+
+
+def _mamba2_fields(f: HfFields, m: ModelConfig) -> None:
     """Mamba2Config's head layout and what its mixer computes, checked against Mamba2Mixer: missing
     fields take transformers' defaults (n_groups 8, chunk_size 256), as from_pretrained would."""
-    heads, headdim = int(need("num_heads")), int(need("head_dim"))
-    groups, chunk = int(conf.get("n_groups", 8)), int(conf.get("chunk_size", 256))
+    heads, headdim = f.whole("num_heads"), f.whole("head_dim")
+    groups, chunk = f.whole("n_groups", 8), f.whole("chunk_size", 256)
     if heads * headdim != m.expand * m.d_model:
-        raise CheckpointError(f"{path}: num_heads x head_dim ({heads} x {headdim}) is not expand x hidden_size "
-                              f"({m.expand * m.d_model})")
-    if groups <= 0 or heads % groups:
-        raise CheckpointError(f"{path}: n_groups {groups} does not divide num_heads {heads} (each group of B "
-                              f"and C is shared by num_heads / n_groups heads)")
-    limit = conf.get("time_step_limit", [0.0, math.inf])
-    if not (isinstance(limit, (list, tuple)) and len(limit) == 2 and limit[0] == 0 and _is_inf(limit[1])):
-        raise CheckpointError(f"{path}: time_step_limit {limit} clamps dt; sonata's mamba2 block has no dt "
-                              f"limit (only (0, inf))")
-    if conf.get("norm_before_gate", False) or not conf.get("rms_norm", True):
-        raise CheckpointError(f"{path}: norm_before_gate=true or rms_norm=false; sonata's mamba2 block is "
-                              f"norm(y * silu(z)), an RMSNorm after the gate")
-    if chunk <= 0:
-        raise CheckpointError(f"{path}: chunk_size {chunk} is not positive")
+        raise f.error(f"num_heads x head_dim ({heads} x {headdim}) is not expand x hidden_size "
+                      f"({m.expand * m.d_model})")
+    if heads % groups:
+        raise f.error(f"n_groups {groups} does not divide num_heads {heads} (each group of B and C is shared "
+                      f"by num_heads / n_groups heads)")
+    limit = f.raw("time_step_limit", [0.0, math.inf])
+    if not (isinstance(limit, (list, tuple)) and len(limit) == 2 and not isinstance(limit[0], bool)
+            and limit[0] == 0 and _is_inf(limit[1])):
+        raise f.error(f"time_step_limit {_shown(limit)} clamps dt (or is not a pair of numbers); sonata's mamba2 "
+                      f"block has no dt limit (only (0, inf))")
+    if f.flag("norm_before_gate", False) or not f.flag("rms_norm", True):
+        raise f.error("norm_before_gate=true or rms_norm=false; sonata's mamba2 block is norm(y * silu(z)), "
+                      "an RMSNorm after the gate")
     m.headdim, m.ngroups, m.chunk_size = headdim, groups, chunk
 
 
-def sonata_state_dict(weights: dict[str, torch.Tensor], cfg: Config, conf: dict, path="") -> dict[str, torch.Tensor]:
+def sonata_state_dict(weights: dict[str, torch.Tensor], cfg: Config, conf: dict | HfFields,
+                      path="") -> dict[str, torch.Tensor]:
     """transformers' Mamba or Mamba-2 weights (names as in its state_dict) under MambaLM's names,
     float32 (a float32 tensor is passed through, not copied: `sonata.interop.hf_accelerate` shares
     storage this way); a tied head checked and set, an untied one (tie_word_embeddings=false)
     required, a missing conv bias (use_conv_bias=false) zero."""
+    f = conf if isinstance(conf, HfFields) else HfFields(conf, path)
+    conv_bias = f.flag("use_conv_bias", True)
     sd = {}
     for k, t in weights.items():
         k = k.removeprefix("backbone.").replace("embeddings.", "embedding.", 1)
@@ -422,7 +568,7 @@ def sonata_state_dict(weights: dict[str, torch.Tensor], cfg: Config, conf: dict,
         sd["lm_head.weight"] = sd["embedding.weight"]
     for i in range(cfg.model.n_layers):                   # use_conv_bias=false: a zero bias is the same
         key, weight = f"layers.{i}.mixer.conv1d.bias", sd.get(f"layers.{i}.mixer.conv1d.weight")
-        if key not in sd and not conf.get("use_conv_bias", True) and weight is not None:
+        if key not in sd and not conv_bias and weight is not None:
             sd[key] = torch.zeros(weight.shape[0])        # d_inner (Mamba-1), d_inner + 2 G N (Mamba-2)
     return sd
 
@@ -433,18 +579,15 @@ def import_hf(path, device="cpu") -> tuple[MambaLM, Vocab | None, Config]:
     save_pretrained (a tied or an untied head), or e.g. state-spaces/mamba-130m-hf."""
     path = Path(path)
     if not is_hf_dir(path):
-        raise CheckpointError(f"{path} is not a transformers model folder (no config.json)")
-    try:
-        conf = json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}/config.json is not JSON ({e})") from None
-    cfg = config_from_hf(conf, path)
-    sd = sonata_state_dict(_read_weights(path), cfg, conf, path)
+        raise CheckpointError(f"{path} is not a transformers model folder (no {CONFIG_FILE})")
+    fields = HfFields(read_hf_config(path), path)
+    cfg = config_from_hf(fields, path)
+    sd = sonata_state_dict(_read_weights(path), cfg, fields, path)
     model = MambaLM(cfg.model)
     try:
         model.load_state_dict(sd)
     except RuntimeError as e:
-        raise CheckpointError(f"{path}: the weights do not match config.json: "
+        raise CheckpointError(f"{path}: the weights do not match {CONFIG_FILE}: "
                               f"{' '.join(str(e).split())[:240]}") from None
     return model.to(device).eval(), load_vocab(path), cfg
 
@@ -475,4 +618,4 @@ def import_checkpoint(path, out, force: bool = False) -> tuple[Path, MambaLM, Co
 
 
 __all__ = ["export_hf", "import_hf", "import_checkpoint", "hf_config", "hf_family", "hf_state_dict",
-           "config_from_hf", "load_vocab", "is_hf_dir", "sonata_state_dict", "train_overrides", "HF_CLASSES"]
+           "config_from_hf", "read_hf_config", "HfFields", "load_vocab", "is_hf_dir", "sonata_state_dict", "train_overrides", "HF_CLASSES"]

@@ -4,6 +4,8 @@
 `generate_text` samples whole continuations in a batch, `stream_text` yields one
 continuation piece by piece as it is sampled. Both consume the prompt in one
 parallel pass and decode with `sonata.model.decode.Decoder` (preallocated buffers).
+A temperature so small that logits / temperature overflows float32 (1e-45, say) is greedy:
+there the top token is certain (`sonata.model.decode.sample_next`).
 """
 from __future__ import annotations
 

@@ -24,14 +24,23 @@ from sonata.model.quant import fake_quant_int8
 
 def sample_next(logits, temperature: float = 1.0, top_k: int = 0, generator=None, out=None):
     """Next ids (b,) from logits (b, vocab): argmax at temperature <= 0, else a draw from
-    softmax(logits / temperature) restricted to the top_k largest (0: all)."""
+    softmax(logits / temperature) restricted to the top_k largest (0: all). A row whose quotient
+    logits / temperature overflows float32 (a temperature of 1e-45, say: inf, or NaN where the
+    temperature itself rounds to 0) takes its top token: the limit of the distribution as the
+    temperature falls, where softmax would give NaN."""
     if temperature <= 0:
         return torch.argmax(logits, -1, out=out) if out is not None else logits.argmax(-1)
     lg = logits.float() / temperature
+    certain = None
+    if not bool(torch.isfinite(lg).all()):
+        certain = (~torch.isfinite(lg) & torch.isfinite(logits)).any(-1)   # rows whose quotient overflowed
+        lg = lg.masked_fill(certain[:, None], 0.0)                         # drawn from, then replaced
     if top_k and top_k < lg.shape[-1]:
         kth = lg.topk(top_k, dim=-1).values[:, -1:]
         lg = lg.masked_fill_(lg < kth, float("-inf"))
     nxt = torch.multinomial(F.softmax(lg, -1), 1, generator=generator)[:, 0]
+    if certain is not None:
+        nxt = torch.where(certain, logits.argmax(-1), nxt)
     return out.copy_(nxt) if out is not None else nxt
 
 

@@ -5,11 +5,10 @@ Trainer's machinery (plan, schedule, model, memory guard, data). `Throughput` co
 sustained tokens/s as the steps go."""
 from __future__ import annotations
 
-import json
-
 import torch
 
 from sonata import kernels
+from sonata.core.jsonsafe import finite_json
 from sonata.core import checkpoint as ckpt
 from sonata.data.batches import d2h, h2d
 from sonata.model.quant import int8_state, load_int8_state, set_int8
@@ -85,12 +84,13 @@ def run_summary(tr, last_eval, speed: Throughput, wall_s: float) -> dict:
 
 
 def write_summary(tr, last_eval, speed: Throughput, wall_s: float) -> dict:
-    """`run_summary` (an int8 run's `int8_report` added), written to summary.json by rank 0."""
+    """`run_summary` (an int8 run's `int8_report` added), written to summary.json by rank 0 as
+    valid JSON (`finite_json`: a NaN or infinite figure is null there; the dict returned keeps it)."""
     summary = run_summary(tr, last_eval, speed, wall_s)
     if tr.plan.precision == "int8":
         summary.update(int8_report(tr))
     if tr.out_dir and tr.is_main:
-        ckpt.write_atomic(tr.out_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode(), "summary")
+        ckpt.write_atomic(tr.out_dir / "summary.json", (finite_json(summary, indent=2) + "\n").encode(), "summary")
     return summary
 
 
@@ -113,4 +113,4 @@ def int8_report(tr) -> dict:
             "val_bpb_int8_export": export.bpb}
 
 
-__all__ = ["MEASURE_SKIP", "Throughput", "run_summary", "write_summary", "int8_report"]
+__all__ = ["MEASURE_SKIP", "Throughput", "finite_json", "run_summary", "write_summary", "int8_report"]

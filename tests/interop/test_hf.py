@@ -469,3 +469,174 @@ def test_cli_import_of_an_unrepresentable_mamba2_is_one_error_line(tmp_path):
     r = run_cli("import", str(tmp_path / "ok"), "--out", str(tmp_path / "x.pt"))
     _assert_one_error_line(r, "exists")
     assert (tmp_path / "x.pt").read_bytes() == b"mine"
+
+
+# --------------------------------------------------------------------------- user mistakes
+
+def _main(capsys, *args):
+    """`python -m sonata ARGS` in this process: its exit status, stdout and stderr lines."""
+    from sonata.__main__ import main
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, [ln for ln in err.splitlines() if ln.strip()]
+
+
+def test_cli_export_under_a_regular_file_is_one_error_line(tmp_path, capsys):
+    """`export --hf afile/sub`: mkdir of afile gave a FileExistsError traceback."""
+    path = _checkpoint(tmp_path, _sonata(seed=6))
+    (tmp_path / "afile").write_text("mine\n")
+    code, out, err = _main(capsys, "export", path, "--hf", tmp_path / "afile" / "sub")
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: --hf "), err
+    assert f"{tmp_path / 'afile'} is a file" in err[0]
+    assert (tmp_path / "afile").read_text() == "mine\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "ck.pt"]
+
+
+def _deny_writes_in(monkeypatch, folder):
+    """Make `folder` unwritable: by its mode, and, where this process would write anyway (root),
+    by refusing what export_hf does there (a temporary folder, a rename into it) as the kernel would."""
+    import errno
+    import tempfile
+    folder.chmod(0o555)
+    if not os.access(folder, os.W_OK):
+        return
+    denied = PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    real_mkdtemp, real_rename = tempfile.mkdtemp, os.rename
+
+    def mkdtemp(*a, dir=None, **kw):
+        if dir is not None and os.path.abspath(dir) == str(folder):
+            raise denied
+        return real_mkdtemp(*a, dir=dir, **kw)
+
+    def rename(src, dst, *a, **kw):
+        if os.path.dirname(os.path.abspath(dst)) == str(folder):
+            raise denied
+        return real_rename(src, dst, *a, **kw)
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(os, "rename", rename)
+
+
+@pytest.mark.parametrize("where", ["new folder in it", "itself, empty"])
+def test_cli_export_into_an_unwritable_folder_is_one_error_line(tmp_path, capsys, monkeypatch, where):
+    """A new --hf folder inside a read-only one (mkdtemp's PermissionError was a traceback), and an
+    empty --hf folder that cannot be written (filled in place: nothing of the export is left in it)."""
+    path = _checkpoint(tmp_path, _sonata(seed=6))
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    target = ro / "out" if where == "new folder in it" else ro
+    try:
+        _deny_writes_in(monkeypatch, ro)
+        code, out, err = _main(capsys, "export", path, "--hf", target)
+    finally:
+        ro.chmod(0o755)
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert str(ro) in err[0] and "Permission denied" in err[0], err[0]
+    assert list(ro.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt", "ro"]
+
+
+def _exported(tmp_path, arch="mamba"):
+    folder = tmp_path / arch
+    export_hf(_sonata(seed=4) if arch == "mamba" else _sonata2(seed=4), _vocab(), folder)
+    return folder
+
+
+def _set(folder, **changes):
+    conf = json.loads((folder / "config.json").read_text())
+    conf.update(changes)
+    (folder / "config.json").write_text(json.dumps(conf))
+
+
+NAN, INF = float("nan"), float("inf")
+BAD_FIELDS = [    # (family, key, value): every config.json key sonata reads, each kind of mistake
+    ("mamba", "hidden_size", "abc"), ("mamba", "hidden_size", None), ("mamba", "hidden_size", 1.5),
+    ("mamba", "hidden_size", 0), ("mamba", "hidden_size", -32), ("mamba", "hidden_size", True),
+    ("mamba", "hidden_size", "32"), ("mamba", "hidden_size", INF),
+    ("mamba", "num_hidden_layers", 1.5), ("mamba", "num_hidden_layers", 0), ("mamba", "num_hidden_layers", None),
+    ("mamba", "state_size", 0), ("mamba", "state_size", [8]), ("mamba", "expand", "2"), ("mamba", "expand", 0),
+    ("mamba", "expand", 1.5), ("mamba", "conv_kernel", 0), ("mamba", "conv_kernel", None),
+    ("mamba", "vocab_size", 2.5), ("mamba", "vocab_size", -1),
+    ("mamba", "layer_norm_epsilon", "x"), ("mamba", "layer_norm_epsilon", NAN), ("mamba", "layer_norm_epsilon", INF),
+    ("mamba", "layer_norm_epsilon", 0), ("mamba", "layer_norm_epsilon", -1e-5), ("mamba", "layer_norm_epsilon", None),
+    ("mamba", "tie_word_embeddings", "false"), ("mamba", "tie_word_embeddings", 1),
+    ("mamba", "use_bias", "false"), ("mamba", "use_conv_bias", "true"), ("mamba", "use_conv_bias", None),
+    ("mamba", "hidden_act", 3), ("mamba", "model_type", ["mamba"]),
+    ("mamba", "time_step_min", NAN), ("mamba", "time_step_min", 0), ("mamba", "time_step_max", -INF),
+    ("mamba", "time_step_max", "0.1"), ("mamba", "time_step_floor", "x"), ("mamba", "time_step_floor", NAN),
+    ("mamba", "intermediate_size", "64"), ("mamba", "intermediate_size", 64.5),
+    ("mamba", "time_step_rank", "x"), ("mamba", "time_step_rank", 0), ("mamba", "time_step_rank", 2.5),
+    ("mamba2", "num_heads", "8"), ("mamba2", "num_heads", 0), ("mamba2", "head_dim", 1.5),
+    ("mamba2", "n_groups", "2"), ("mamba2", "n_groups", 0), ("mamba2", "chunk_size", 0),
+    ("mamba2", "chunk_size", None), ("mamba2", "norm_before_gate", "false"), ("mamba2", "rms_norm", "true"),
+    ("mamba2", "time_step_limit", "x"), ("mamba2", "layer_norm_epsilon", NAN), ("mamba2", "tie_word_embeddings", "no"),
+]
+
+
+@pytest.mark.parametrize("family,key,value", BAD_FIELDS, ids=[f"{f}-{k}-{v!r}" for f, k, v in BAD_FIELDS])
+def test_import_names_the_file_and_key_of_a_bad_config_value(tmp_path, family, key, value):
+    """Issue item 9: int("abc"), int(None) and float("x") were tracebacks, 1.5 layers was read as 1,
+    "false" as true, NaN as a number. Each is a CheckpointError naming config.json and the key, with
+    the value as the file has it."""
+    folder = _exported(tmp_path, family)
+    _set(folder, **{key: value})
+    with pytest.raises(CheckpointError) as e:
+        import_hf(folder)
+    msg = str(e.value)
+    assert msg.startswith(f"{folder}/config.json: {key} "), msg
+    assert json.dumps(value) in msg and "\n" not in msg, msg
+
+
+def test_config_values_of_the_right_kind_still_import(tmp_path):
+    """Whole numbers written as 2.0, "auto" for time_step_rank, a null intermediate_size (derived),
+    transformers' time_step_limit forms, a missing optional key: the model is the one exported."""
+    folder = _exported(tmp_path)
+    ref, _, cfg = import_hf(folder)
+    _set(folder, hidden_size=32.0, num_hidden_layers=2.0, expand=2.0, time_step_rank="auto",
+         intermediate_size=None, layer_norm_epsilon=1e-5, time_step_min=1e-3)
+    conf = json.loads((folder / "config.json").read_text())
+    del conf["conv_kernel"], conf["use_bias"], conf["time_step_floor"]
+    (folder / "config.json").write_text(json.dumps(conf))
+    back, _, again = import_hf(folder)
+    assert again.model == cfg.model and isinstance(again.model.d_model, int)
+    sd, sd_back = ref.state_dict(), back.state_dict()
+    assert all(torch.equal(sd[k], sd_back[k]) for k in sd)
+    folder2 = _exported(tmp_path, "mamba2")
+    for limit in ([0, "Infinity"], [0.0, {"__float__": "Infinity"}], [0.0, INF]):
+        _set(folder2, time_step_limit=limit, chunk_size=8.0)
+        assert import_hf(folder2)[2].model.chunk_size == 8
+
+
+@pytest.mark.parametrize("content", [b"[1, 2]", b"\xff\xfe not utf-8", b"{\"model_type\": ", b"null"])
+def test_a_config_json_that_is_not_a_json_object_is_one_error(tmp_path, content):
+    folder = _exported(tmp_path)
+    (folder / "config.json").write_bytes(content)
+    with pytest.raises(CheckpointError, match=re.escape(f"{folder}/config.json")):
+        import_hf(folder)
+    folder2 = tmp_path / "dir"
+    (folder2 / "config.json").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=re.escape(f"{folder2}/config.json")):
+        import_hf(folder2)
+
+
+def test_cli_import_and_generate_of_a_bad_config_value_are_one_error_line(tmp_path, capsys):
+    folder = _exported(tmp_path)
+    _set(folder, num_hidden_layers=1.5)
+    for args in (["import", folder, "--out", tmp_path / "x.pt"], ["generate", folder, "--max-new-tokens", "4"],
+                 ["eval", folder, "--text", folder / "README.md"]):
+        code, out, err = _main(capsys, *args)
+        assert code == 2 and len(err) == 1 and out == "", (args, err)
+        assert err[0] == f"error: {folder}/config.json: num_hidden_layers must be a whole number >= 1, not 1.5"
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_a_bad_sonata_config_or_vocabulary_beside_config_json_is_one_error(tmp_path):
+    folder = _exported(tmp_path)
+    (folder / "sonata_config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match=re.escape(f"{folder}/sonata_config.json is not a sonata config")):
+        import_hf(folder)
+    (folder / "sonata_config.json").write_bytes(b"\xff")
+    with pytest.raises(CheckpointError, match=re.escape(f"{folder}/sonata_config.json is not a sonata config")):
+        import_hf(folder)
+    (folder / "sonata_config.json").unlink()
+    (folder / "vocab.json").write_bytes(b"\xff")
+    with pytest.raises(CheckpointError, match=re.escape(f"{folder}/vocab.json is not a sonata vocabulary")):
+        import_hf(folder)
