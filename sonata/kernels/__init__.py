@@ -21,6 +21,13 @@ When a requested fast path cannot run, the reference runs instead, a
 process-wide fallback counter moves (`fallback_count()`) and a warning names
 the reason once per reason. The trainer reports the counter every step.
 
+This module is the one dispatcher for every kernel family, the SSD's (`sonata.kernels.ssd`)
+included: the fallback counter (`record_fallback`), whether a Triton family can run
+(`triton_module`) and what happens when one is about to (`triton_chosen`). `GPU_VERIFIED`
+lists the Triton families that have passed `benchmarks/gpu_check.sh` compiled on a GPU; until
+a family is in it, `auto` choosing it for CUDA tensors says so once per process (a
+RuntimeWarning naming it: it has only run in Triton's CPU interpreter).
+
 Around the scan, `rms_norm(x, weight, eps, backend)` (the blocks' RMSNorm: fused in numba
 for the `cpu` backend, PyTorch ops for the others, which is their design and not a fallback;
 `cpu` falling back (no numba, a GPU tensor) counts) and `conv_silu(xz, weight, bias, backend)`
@@ -67,7 +74,9 @@ def reset_fallback_count() -> None:
         _fallbacks = 0
 
 
-def _record_fallback(reason: str) -> None:
+def record_fallback(reason: str) -> None:
+    """Count one call that could not run the fast path it asked for; warn once per reason.
+    Every dispatcher calls this (the SSD's too): one counter, one set of warned reasons."""
     global _fallbacks
     with _lock:
         _fallbacks += 1
@@ -75,6 +84,45 @@ def _record_fallback(reason: str) -> None:
         _warned.add(reason)
     if first:
         warnings.warn(f"sonata: selective scan fell back to the reference backend: {reason}",
+                      RuntimeWarning, stacklevel=3)
+
+
+# The Triton kernel families, by the names the dispatchers pass to `triton_chosen`.
+TRITON_KERNELS = {
+    "selective_scan": "the Mamba-1 selective scan (sonata/kernels/triton.py)",
+    "ssd": "the SSD / Mamba-2 scan (sonata/kernels/ssd/triton.py)",
+}
+# The families that have passed benchmarks/gpu_check.sh compiled on a GPU: name -> "commit,
+# card, date" of that run. Empty: no Triton kernel of sonata has been launched on a GPU yet
+# (docs/kernels.md, "Which kernels have run on a GPU"); every family has run only in Triton's
+# CPU interpreter. Add a family here only with the log of a passing run.
+GPU_VERIFIED: dict[str, str] = {}
+_unverified_warned: set[str] = set()
+
+
+def on_cuda(t: torch.Tensor) -> bool:
+    """Whether t is a CUDA tensor: the one device check behind `auto`'s choice and the Triton
+    checks of every dispatcher (tests substitute it to take the CUDA branch on a CPU)."""
+    return t.is_cuda
+
+
+def triton_chosen(kernel: str, requested: str, x: torch.Tensor) -> None:
+    """A dispatcher calls this just before it runs the Triton kernel family `kernel` (a key of
+    TRITON_KERNELS), which `requested` resolved to for tensors like x. When `auto` chose it for
+    CUDA tensors and the family is not in GPU_VERIFIED, a RuntimeWarning names it, once per
+    family per process. The one place for what a Triton family's first launch on a GPU needs."""
+    if kernel not in TRITON_KERNELS:
+        raise ValueError(f"unknown Triton kernel family {kernel!r}; one of {', '.join(TRITON_KERNELS)}")
+    if requested != "auto" or not on_cuda(x) or kernel in GPU_VERIFIED:
+        return
+    with _lock:
+        first = kernel not in _unverified_warned
+        _unverified_warned.add(kernel)
+    if first:
+        warnings.warn(f"sonata: backend 'auto' chose the Triton kernels of {TRITON_KERNELS[kernel]} "
+                      f"for CUDA tensors; they have only run in Triton's CPU interpreter and never "
+                      f"passed on a GPU ({kernel!r} is not in sonata.kernels.GPU_VERIFIED): "
+                      f"run benchmarks/gpu_check.sh on this machine to check them",
                       RuntimeWarning, stacklevel=3)
 
 
@@ -94,9 +142,11 @@ def use_triton_interpreter_without_gpu() -> bool:
 _loaded: dict[str, object] = {}
 
 
-def _load(name: str):
-    """Import a fused backend module, or return the reason it cannot be imported. A module once
-    imported is kept (this runs for every kernel call: import_module costs a few microseconds)."""
+def load_backend(name: str, label: str | None = None):
+    """Import the fused backend module sonata.kernels.<name> (e.g. "cpu", "ssd.triton"):
+    (module, None), or (None, the reason it cannot be imported, naming it `label`, default
+    `name`). A module once imported is kept (this runs for every kernel call: import_module
+    costs a few microseconds)."""
     mod = _loaded.get(name)
     if mod is not None:
         return mod, None
@@ -104,7 +154,23 @@ def _load(name: str):
         mod = _loaded[name] = importlib.import_module(f"sonata.kernels.{name}")
         return mod, None
     except ImportError as e:  # numba or triton missing
-        return None, f"{name} backend unavailable ({e})"
+        return None, f"{label or name} backend unavailable ({e})"
+
+
+def triton_module(x: torch.Tensor, load, label: str = "triton"):
+    """Whether a Triton kernel family can run for tensors like x: (module, None), or (None, why
+    not). `load` () -> load_backend's answer for the family's module; `label` names the family
+    in the reasons. CUDA tensors run compiled kernels; CPU tensors need Triton's interpreter,
+    on before triton was first imported."""
+    if not on_cuda(x) and not triton_interpreter_on():
+        return None, f"{label} backend needs a CUDA device (or TRITON_INTERPRET=1 for CPU tensors)"
+    mod, why = load()
+    if mod is None:
+        return None, why
+    if not on_cuda(x) and not getattr(mod, "INTERPRETED", True):
+        return None, (f"{label} kernels were compiled for CUDA: TRITON_INTERPRET=1 must be set "
+                      "before triton is first imported to run them on CPU tensors")
+    return mod, None
 
 
 def resolve_backend(backend: str, u: torch.Tensor) -> tuple[str, str | None]:
@@ -114,20 +180,16 @@ def resolve_backend(backend: str, u: torch.Tensor) -> tuple[str, str | None]:
     if backend == "reference":
         return "reference", None
     if backend == "auto":
-        backend = "triton" if u.is_cuda else "cpu"
+        backend = "triton" if on_cuda(u) else "cpu"
     if u.dtype not in _FUSED_DTYPES:
         return "reference", f"{backend} backend does not support dtype {u.dtype}"
     if backend == "cpu" and u.device.type != "cpu":
         return "reference", f"cpu backend needs CPU tensors, got {u.device}"
-    if backend == "triton" and not u.is_cuda and not triton_interpreter_on():
-        return "reference", "triton backend needs a CUDA device (or TRITON_INTERPRET=1 for CPU tensors)"
-    mod, reason = _load(backend)
-    if mod is None:
-        return "reference", reason
-    if backend == "triton" and not u.is_cuda and not mod.INTERPRETED:
-        return "reference", ("triton kernels were compiled for CUDA: TRITON_INTERPRET=1 must be set "
-                             "before triton is first imported to run them on CPU tensors")
-    return backend, None
+    if backend == "triton":
+        mod, reason = triton_module(u, lambda: load_backend("triton"))
+    else:
+        mod, reason = load_backend(backend)
+    return (backend, None) if mod is not None else ("reference", reason)
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None,
@@ -135,13 +197,15 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None,
                    initial_state=None):
     name, reason = resolve_backend(backend, u)
     if reason is not None:
-        _record_fallback(reason)
+        record_fallback(reason)
     if delta_proj is not None and name != "cpu":
         delta, delta_proj = project_delta(delta, delta_proj), None
     if name == "reference":
         return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
                                   return_last_state, initial_state)
-    impl, _ = _load(name)
+    if name == "triton":
+        triton_chosen("selective_scan", backend, u)
+    impl, _ = load_backend(name)
     out, last_state = fused_scan(impl, u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj,
                                  initial_state)
     return (out, last_state) if return_last_state else out
@@ -152,9 +216,9 @@ def _fused_cpu(backend, x):
     that cannot run counts as a fallback; other backends use PyTorch ops by design)."""
     name, reason = resolve_backend(backend, x)
     if name == "cpu":
-        return _load("cpu")[0]
+        return load_backend("cpu")[0]
     if reason is not None and backend == "cpu":
-        _record_fallback(reason)
+        record_fallback(reason)
     return None
 
 
@@ -223,5 +287,6 @@ def cross_entropy(logits, target, backend="auto"):
 __all__ = ["selective_scan", "selective_scan_ref", "conv_silu", "conv_silu_ref", "causal_conv_silu",
            "rms_norm_gated", "rms_norm_gated_ref",
            "rms_norm", "rms_norm_ref", "cross_entropy", "cross_entropy_ref", "fallback_count",
-           "reset_fallback_count",
-           "resolve_backend", "use_triton_interpreter_without_gpu", "BACKENDS"]
+           "reset_fallback_count", "record_fallback",
+           "resolve_backend", "use_triton_interpreter_without_gpu", "BACKENDS",
+           "GPU_VERIFIED", "TRITON_KERNELS", "on_cuda", "triton_chosen", "triton_module", "load_backend"]

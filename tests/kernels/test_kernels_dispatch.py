@@ -1,7 +1,10 @@
 """The dispatcher: which backend runs, and the fallback counter that says when it was not
-the one asked for. Also the reference itself under gradcheck."""
+the one asked for; `auto` naming a Triton kernel it picks for CUDA tensors that has never
+passed on a GPU (simulated on a CPU: the CUDA check answers yes and the interpreter runs the
+kernels). Also the reference itself under gradcheck."""
 import importlib
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,3 +100,100 @@ def test_trainer_reports_the_fallback_counter_every_step(monkeypatch):
     # one scan per layer (1 layer) per micro-step, counted from the start of the run
     assert [r["fallbacks"] for r in tr.history] == [1, 2, 3]
     assert summary["backend"] == "reference" and summary["fallbacks"] >= 3
+
+
+# --------------------------------------------------------------------------- Triton never run on a GPU
+
+def _ssd_args():
+    g = torch.Generator().manual_seed(0)
+    b, L, h, p, n = 1, 8, 2, 4, 4
+    return (torch.randn(b, L, h, p, generator=g), torch.rand(b, L, h, generator=g) * 0.5 + 0.01,
+            -torch.rand(h, generator=g) - 0.5, torch.randn(b, L, 1, n, generator=g),
+            torch.randn(b, L, 1, n, generator=g))
+
+
+@pytest.fixture
+def cuda_choice(monkeypatch):
+    """`auto` takes its CUDA branch: on a GPU with CUDA tensors; without one, sonata.kernels.on_cuda
+    answers yes for CPU tensors, so the dispatchers pick (and run) the Triton kernels, which the
+    interpreter runs. The once-per-process memory of the warning starts empty. Yields the device."""
+    monkeypatch.setattr(kernels, "_unverified_warned", set())
+    if torch.cuda.is_available():
+        yield "cuda"
+        return
+    pytest.importorskip("triton")
+    for mod in ("sonata.kernels.triton", "sonata.kernels.ssd.triton"):
+        if not importlib.import_module(mod).INTERPRETED:
+            pytest.skip(f"{mod} was imported compiled, without a GPU")
+    monkeypatch.setattr(kernels, "on_cuda", lambda t: True)
+    yield "cpu"
+
+
+def _unverified_warnings(w):
+    return [str(x.message) for x in w if "never passed on a GPU" in str(x.message)]
+
+
+def test_auto_on_cuda_names_each_unverified_triton_kernel_once(cuda_choice, monkeypatch):
+    from sonata.kernels.ssd import ssd
+    monkeypatch.setattr(kernels, "GPU_VERIFIED", {})
+    scan_args = [t.to(cuda_choice) for t in _args()]
+    ssd_args = [t.to(cuda_choice) for t in _ssd_args()]
+    before = fallback_count()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            selective_scan(*scan_args, delta_softplus=True, backend="auto")
+            ssd(*ssd_args, 16, backend="auto")
+    msgs = _unverified_warnings(w)
+    assert len(msgs) == 2, msgs
+    scan_msg, ssd_msg = msgs
+    assert "Mamba-1 selective scan (sonata/kernels/triton.py)" in scan_msg and "'selective_scan'" in scan_msg
+    assert "SSD / Mamba-2 scan (sonata/kernels/ssd/triton.py)" in ssd_msg and "'ssd'" in ssd_msg
+    for m in msgs:
+        assert "only run in Triton's CPU interpreter" in m and "benchmarks/gpu_check.sh" in m
+    assert fallback_count() == before                      # the Triton kernels ran: no fallback
+    assert kernels.resolve_backend("auto", scan_args[0]) == ("triton", None)
+
+
+def test_no_warning_for_a_verified_kernel_nor_for_other_backends(cuda_choice, monkeypatch):
+    from sonata.kernels.ssd import ssd
+    monkeypatch.setattr(kernels, "GPU_VERIFIED", {"selective_scan": "abc1234, NVIDIA H100, 2026-12-07"})
+    scan_args = [t.to(cuda_choice) for t in _args()]
+    ssd_args = [t.to(cuda_choice) for t in _ssd_args()]
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        selective_scan(*scan_args, delta_softplus=True, backend="auto")       # verified
+        selective_scan(*scan_args, delta_softplus=True, backend="reference")  # not Triton
+        ssd(*ssd_args, 16, backend="reference")
+        ssd(*ssd_args, 16, backend="recurrent")
+        selective_scan(*scan_args, delta_softplus=True, backend="triton")     # asked for by name
+        ssd(*ssd_args, 16, backend="triton")
+        x = scan_args[0].transpose(1, 2)
+        kernels.rms_norm(x, torch.ones(x.shape[-1], device=cuda_choice), 1e-5)   # PyTorch ops, by design
+    assert _unverified_warnings(w) == []
+
+
+def test_no_warning_on_cpu():
+    from sonata.kernels.ssd import ssd
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        selective_scan(*_args(), delta_softplus=True, backend="auto")
+        ssd(*_ssd_args(), 16, backend="auto")
+    assert _unverified_warnings(w) == []
+
+
+def test_the_registry_and_the_docs_table_agree():
+    """GPU_VERIFIED names only known Triton families, and docs/kernels.md's table of which kernels
+    ran on a GPU has a row per family, saying "never" exactly for those not verified."""
+    assert set(kernels.GPU_VERIFIED) <= set(kernels.TRITON_KERNELS)
+    with pytest.raises(ValueError, match="unknown Triton kernel family"):
+        kernels.triton_chosen("mamba9", "auto", torch.zeros(1))
+    page = (Path(__file__).resolve().parents[2] / "docs" / "kernels.md").read_text()
+    section = page.split("## Which kernels have run on a GPU", 1)[1].split("\n## ", 1)[0]
+    rows = [r for r in section.splitlines() if r.startswith("| `")]
+    for family in kernels.TRITON_KERNELS:
+        mine = [r for r in rows if r.startswith(f"| `{family}`")]
+        assert mine, f"docs/kernels.md has no row for the Triton family {family!r}"
+        for r in mine:
+            ran = [c.strip() for c in r.strip("|").split("|")][-1]
+            assert ran.startswith("never") == (family not in kernels.GPU_VERIFIED), r

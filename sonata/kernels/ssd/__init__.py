@@ -19,22 +19,23 @@ When a requested fast path cannot run (triton without a GPU or the interpreter, 
 importable, cpu asked for GPU tensors) the next best runs instead (cpu for CPU tensors, the
 reference otherwise) and sonata.kernels' process-wide fallback counter moves, warning once
 per reason. A sequence of length 0 returns at once (the initial state is the final one).
+The dispatch rules are sonata.kernels' (its device check, Triton checks and fallback counter):
+in particular `auto` choosing the Triton kernels for CUDA tensors warns once per process while
+they are not in sonata.kernels.GPU_VERIFIED (they have only run in Triton's interpreter).
 """
 from __future__ import annotations
 
-import importlib
 import math
-import os
 
 import torch
 
+from sonata import kernels as _dispatch          # the dispatcher's rules, one home for both families
 from sonata.kernels.ssd.cpu import prefer_recurrent, ssd_cpu
 from sonata.kernels.ssd.reference import ssd_chunked_ref, ssd_recurrent_ref
 from sonata.kernels.ssd.step import ssd_step, ssd_step_ref
 
 BACKENDS = ("auto", "reference", "recurrent", "cpu", "triton")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_triton = {}
 
 
 def _shape(t):
@@ -77,18 +78,9 @@ def check_inputs(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initi
             bad(f"{name} is on {t.device}, x on {x.device}")
 
 
-def _interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _load_triton():
     """(module, None) or (None, why it cannot be imported); a module once imported is kept."""
-    if "mod" not in _triton:
-        try:
-            _triton["mod"], _triton["why"] = importlib.import_module("sonata.kernels.ssd.triton"), None
-        except ImportError as e:
-            _triton["mod"], _triton["why"] = None, f"ssd triton backend unavailable ({e})"
-    return _triton["mod"], _triton["why"]
+    return _dispatch.load_backend("ssd.triton", "ssd triton")
 
 
 def resolve_backend(backend: str, x: torch.Tensor) -> tuple[str, str | None]:
@@ -98,20 +90,12 @@ def resolve_backend(backend: str, x: torch.Tensor) -> tuple[str, str | None]:
     if backend in ("reference", "recurrent"):
         return backend, None
     if backend == "auto":
-        backend = "triton" if x.is_cuda else "cpu"
+        backend = "triton" if _dispatch.on_cuda(x) else "cpu"
     on_cpu = x.device.type == "cpu"
     if backend == "cpu":
         return ("cpu", None) if on_cpu else ("reference", f"ssd cpu backend needs CPU tensors, got {x.device}")
-    instead = "cpu" if on_cpu else "reference"
-    if not x.is_cuda and not _interpreter_on():
-        return instead, "ssd triton backend needs a CUDA device (or TRITON_INTERPRET=1 for CPU tensors)"
-    mod, why = _load_triton()
-    if mod is None:
-        return instead, why
-    if not x.is_cuda and not getattr(mod, "INTERPRETED", True):
-        return instead, ("ssd triton kernels were compiled for CUDA: TRITON_INTERPRET=1 must be set "
-                         "before triton is first imported to run them on CPU tensors")
-    return "triton", None
+    mod, why = _dispatch.triton_module(x, _load_triton, "ssd triton")
+    return ("triton", None) if mod is not None else ("cpu" if on_cpu else "reference", why)
 
 
 def ssd(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=None, initial_states=None,
@@ -121,15 +105,13 @@ def ssd(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=None, initial_sta
     check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit)
     name, why = resolve_backend(backend, x)
     if why is not None:
-        from sonata.kernels import (
-            _record_fallback,  # here: the dispatcher sits above this package
-        )
-        _record_fallback(why)
+        _dispatch.record_fallback(why)
     args = (x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus,
             tuple(dt_limit), return_final_states)
     if x.shape[1] == 0:
         name = "recurrent"                              # nothing to compute
     if name == "triton":
+        _dispatch.triton_chosen("ssd", backend, x)
         return _load_triton()[0].ssd_triton(*args)
     impl = {"reference": ssd_chunked_ref, "recurrent": ssd_recurrent_ref, "cpu": ssd_cpu}[name]
     return impl(*args[:5], chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,

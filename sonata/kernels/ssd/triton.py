@@ -1,11 +1,14 @@
 """Fused Triton kernels for the state-space dual (SSD, Mamba-2): forward and backward.
 
 STATUS: these kernels have been checked only under Triton's CPU interpreter
-(TRITON_INTERPRET=1, tests/kernels/test_ssd_triton.py); they have NOT run on a GPU yet.
-They were compiled ahead of time for sm_90 without a GPU (Triton 3.9 and its bundled
-ptxas: every kernel builds, fp32/bf16 and fp64), never launched: results on a GPU, speed
-and occupancy are unverified. ptxas reports register spills at Mamba-2 sizes (p 64, n 128),
-worst in the backward chunk kernel, which holds a whole head; nothing here is tuned.
+(TRITON_INTERPRET=1, tests/kernels/test_ssd_triton.py); they have NOT run on a GPU yet
+("ssd" is not in sonata.kernels.GPU_VERIFIED, and `auto` says so once per process when it
+picks them for CUDA tensors; docs/kernels.md's table; benchmarks/gpu_check.sh runs the test
+file compiled on a GPU). They were compiled ahead of time for sm_90 without a GPU (Triton 3.9
+and its bundled ptxas: every kernel builds, fp32/bf16 and fp64), never launched: results on
+a GPU, speed and occupancy are unverified. ptxas reports register spills at Mamba-2 sizes
+(p 64, n 128), worst in the backward chunk kernel, which holds a whole head; nothing here is
+tuned. (That compile predates the log-decay gradient's direct sums below.)
 
 Semantics are those of `ssd_recurrent_ref` (sonata/kernels/ssd/reference.py), with
 mamba_ssm's `mamba_chunk_scan_combined` shapes: x (b, l, h, p), dt (b, l, h), A (h,),
@@ -27,9 +30,15 @@ With a_t = dt_t A the log-decay of step t, inside a chunk:
 Backward, the same in reverse: `_dstate_kernel` (what each chunk's outputs ask of S_c),
 `_state_pass_bwd_kernel` (the reverse recurrence dS_c = G_c dS_{c+1} + E_c from dfinal,
 giving d initial_states and dG), `_chunk_bwd_kernel` (every gradient local to a chunk).
-The log-decay gradient: every exponent is a sum of a over a range of the chunk, i.e. a
-difference of prefix sums cum; the kernel collects d/d cum and turns it into da with one
-reverse cumulative sum (da_k = sum_{i >= k} dcum_i), then ddt += A da, dA = sum dt da.
+The log-decay gradient: every exponent is a sum of a over a range of the chunk, so da_k
+collects the terms whose range holds step k, each family summed directly: the (Q, Q)
+segments [i, j] with j < k <= i (a reverse cumulative sum down the columns, then a masked
+row sum), the decays from the chunk's start (i >= k), those to its end (j < k), and the
+whole chunk's G; then ddt += A da, dA = sum dt da. Not as d/d prefix-sum turned into da by
+one reverse cumulative sum: that subtracts long sums which cancel (the diagonal's row and
+column sums, a total minus its tail), and left float32 dA and ddt_bias 6-33x further from
+the float64 oracle than the CPU recurrence on three of the tests' shapes (geometric mean over
+six seeds; now 0.7-2.1x, and tests/kernels/test_ssd_triton.py holds it under 3x).
 
 Grid and layout. Inputs are made contiguous in their own layouts, nothing is transposed
 in torch. Chunk kernels run one program per (batch, chunk, head x channel block):

@@ -152,15 +152,18 @@ def _chunk_bwd_kernel(
     tl.store(DC_H + ho, dC, mask=mqn)
     tl.store(DB_H + ho, dB, mask=mqn)
 
-    # Log-decay gradient. Every exponent is a sum of a_k over a range of the chunk; written
-    # with prefix sums cum_i = a_0 + .. + a_i it is cum_i - cum_j (segments), cum_end - cum_j
-    # (e), cum_i (w) or cum_end (G), so d/d cum collects them and da_k = sum_{i >= k} dcum_i.
-    dew = de * e
-    dcum = tl.sum(dseg, 1) - tl.sum(dseg, 0) + dw * w - dew
-    end = tl.sum(dew, 0) + tl.load(DG + (b * H + h) * n_chunks + c) * \
-        tl.load(G + (b * H + h) * n_chunks + c)
-    dcum += tl.where(tl.arange(0, BLOCK_Q) == BLOCK_Q - 1, end, 0.0)
-    da = tl.cumsum(dcum, 0, reverse=True)
+    # Log-decay gradient. Every exponent is a sum of a_k over a range of the chunk, so
+    # da_k = d Loss / d a_k collects the terms whose range holds step k, each family summed
+    # directly (never a long sum minus another: triton.py's docstring says why): the
+    # segments [i, j] with j < k <= i (the diagonal holds no step), w_i for i >= k, e_j for
+    # j < k, and G_c (the whole chunk) for every k.
+    lane_i = tl.arange(0, BLOCK_Q)[:, None]
+    lane_j = tl.arange(0, BLOCK_Q)[None, :]
+    tail = tl.cumsum(dseg, 0, reverse=True)                 # [k, j]: sum_{i >= k} dseg[i, j]
+    da = tl.sum(tl.where(lane_j < lane_i, tail, 0.0), 1)     # pairs j < k <= i
+    da += tl.cumsum(dw * w, 0, reverse=True)                 # w_i, i >= k
+    da += tl.sum(tl.where(lane_j < lane_i, (de * e)[None, :], 0.0), 1)   # e_j, j < k
+    da += tl.load(DG + (b * H + h) * n_chunks + c) * tl.load(G + (b * H + h) * n_chunks + c)
     part = (b * n_chunks + c) * H + h
     tl.store(DA_PART + part, tl.sum(tl.where(real, dt * da, 0.0), 0))
     ddt = tl.sum(x * dxdt, 1) + A_h * da
