@@ -15,8 +15,7 @@ import torch.nn.functional as F
 
 from sonata.core.config import ModelConfig
 from sonata.data import tasks
-from sonata.data.tasks import (EVAL_BLOCK, MQAR, Parity, evaluate_task, peak_rss_bytes,
-                               reset_peak_rss)
+from sonata.data.tasks import EVAL_BLOCK, MQAR, Parity, evaluate_task
 from sonata.model.lm import MambaLM
 
 
