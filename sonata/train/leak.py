@@ -2,13 +2,14 @@
 
 `LeakDetector` keeps the memory after each step (the trainer's reading: the resident set on
 CPU, allocated bytes on CUDA) and calls it a leak when the slope over its window is above a
-threshold (256 KiB per step, or 64 bytes per token of the step when more) and significant
-against the window's own noise by two measures: `trend`, least squares with the allocator's
-level shifts taken out, and `median_slope`, Theil-Sen through the raw readings. Each alone
-misreads one pattern of a correct loop (a single allocator jump; a sawtooth of heap trims),
-both together have not (tests/test_memory.py replays each). `InjectedLeak` keeps what a
-classic leak keeps (a graph, or activations) so notebooks 03 and 04 can show the detector
-and the benchmark harness catching it.
+threshold (256 KiB per step, or 64 bytes per token of the step when more; four times that
+while the window is short, a training run's heap settling, unless the caller turns that off
+as the bench does) and significant against the window's own noise by two measures: `trend`,
+least squares with the allocator's level shifts taken out, and `median_slope`, Theil-Sen
+through the raw readings. Each alone misreads one pattern of a correct loop (a single
+allocator jump; a sawtooth of heap trims), both together have not (tests/test_memory.py
+replays each). `InjectedLeak` keeps what a classic leak keeps (a graph, or activations) so
+notebooks 03 and 04 can show the detector and the benchmark harness catching it.
 """
 from __future__ import annotations
 
@@ -95,7 +96,9 @@ STAGE_SETTLE_STEPS = 32
 # readings) called it a leak. Until a window holds EARLY_READINGS readings, a leak must grow
 # EARLY_FACTOR times the allowance: a kept graph (2.7 MiB per step at the tests' small model,
 # 26 MiB at the seed model's) is still flagged at the first verdict, and a leak near the
-# allowance once the window is long enough to tell it from settling.
+# allowance once the window is long enough to tell it from settling. The trainer's detector
+# applies this rule (the default of LeakDetector's `early_readings`); the bench's does not
+# (`early_readings=0`: it judges a run of a few dozen steps, all of them inside this window).
 EARLY_READINGS, EARLY_FACTOR = 48, 4.0
 
 
@@ -124,13 +127,16 @@ class LeakDetector:
     MiB from step to step, the slope's error over 64 readings is about 0.1 MiB per step, so
     a 0.5 MiB-per-step leak is flagged within about 60 steps and flat noise is not: a
     single step's growth (what an earlier detector took the median of) says little there.
-    A window of fewer than EARLY_READINGS readings allows EARLY_FACTOR times the threshold (a
-    run's heap settles over its first steps)."""
+    A window of fewer than `early_readings` readings (EARLY_READINGS by default) allows
+    EARLY_FACTOR times the threshold: a training run's heap settles over its first steps. A
+    caller that judges a short run whose settling it does not want excused (the bench:
+    `early_readings=0`) applies the threshold itself from the first verdict. `allowance()` is
+    what a verdict was judged at; the report and the message name it."""
 
     def __init__(self, window: int = 256, threshold: float = 256 * 1024, skip: int = 2,
-                 min_samples: int = 16, z: float = 5.0):
+                 min_samples: int = 16, z: float = 5.0, early_readings: int = EARLY_READINGS):
         self.window, self.threshold, self.skip = window, float(threshold), skip
-        self.min_samples, self.z = min_samples, z
+        self.min_samples, self.z, self.early_readings = min_samples, z, early_readings
         self.samples: list[int] = []
         self.step_tokens: int | None = None     # `follow`: the size of the steps followed
         self.warned = False                     # `follow`: a leak was reported
@@ -189,9 +195,9 @@ class LeakDetector:
 
     def allowance(self, readings: int | None = None) -> float:
         """The growth per step a window of `readings` readings (None: the current window's)
-        may show: `threshold`, EARLY_FACTOR times it below EARLY_READINGS readings."""
+        may show: `threshold`, EARLY_FACTOR times it below `early_readings` readings."""
         n = len(self._window()) if readings is None else readings
-        return self.threshold * (EARLY_FACTOR if n < EARLY_READINGS else 1.0)
+        return self.threshold * (EARLY_FACTOR if n < self.early_readings else 1.0)
 
     def verdict(self) -> str:
         """`LEAK`, `flat`, or what a run too short to judge needs."""
@@ -200,11 +206,14 @@ class LeakDetector:
         return "LEAK" if self.leaking() else "flat"
 
     def report(self) -> dict:
+        """The readings for a summary; `leak_threshold_bytes_per_step` is the allowance the
+        current window is judged at (`allowance()`: EARLY_FACTOR x `threshold` while the window
+        is short), not the bare threshold."""
         s, err = trend(self._window())
         return {"mem_slope_bytes_per_step": s, "mem_slope_error_bytes_per_step": err,
                 "leak": self.leaking(),
                 "leak_window": min(self.window, max(0, len(self.samples) - self.skip)),
-                "leak_threshold_bytes_per_step": self.threshold,
+                "leak_threshold_bytes_per_step": self.allowance(),
                 "mem_baseline_bytes": self.samples[self.skip] if len(self.samples) > self.skip else None}
 
     def message(self) -> str:
@@ -238,4 +247,5 @@ class InjectedLeak:
         self.kept.clear()
 
 
-__all__ = ["LeakDetector", "InjectedLeak", "trend", "median_slope", "swing", "leak_threshold", "STAGE_SETTLE_STEPS"]
+__all__ = ["LeakDetector", "InjectedLeak", "trend", "median_slope", "swing", "leak_threshold", "STAGE_SETTLE_STEPS",
+           "EARLY_READINGS", "EARLY_FACTOR"]
