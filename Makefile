@@ -29,7 +29,7 @@ export TIKTOKEN_CACHE_DIR ?= $(CURDIR)/.cache/tiktoken
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: setup train test test-fast bench lint clean kernel lab
+.PHONY: setup train test test-fast fuzz bench lint clean kernel lab
 
 setup: $(STAMP)
 
@@ -75,6 +75,14 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q $(XDIST) --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider \
 		--ignore=notebooks/01_train_tinystories.ipynb --ignore=notebooks/07_ten_minute_speedrun.ipynb \
 		--ignore=notebooks/08_selection.ipynb --ignore=notebooks/10_recall_and_state.ipynb notebooks
+
+# The config fuzz (tests/train/test_config_fuzz.py) at length, from a fresh seed each time:
+# every example trains, or is one error line that leaves its --out folder byte-identical.
+SONATA_FUZZ_EXAMPLES ?= 400
+fuzz: export OMP_WAIT_POLICY ?= passive
+fuzz: $(STAMP)
+	SONATA_FUZZ_EXAMPLES=$(SONATA_FUZZ_EXAMPLES) SONATA_FUZZ_FRESH=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/train/test_config_fuzz.py
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not notebook" tests

@@ -24,16 +24,17 @@ then exits 1 and prints its own ChildFailedError report after the `error:` line.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
 from pathlib import Path
 
+from sonata.core.jsonsafe import finite_json
 from sonata.core.errors import CheckpointError, SonataError, TrainingInterrupted, WorkerLost, writable_dir
 from sonata.core.progress import MODES, resolve_mode
 
 EXIT_USAGE = 2
+MAX_EVAL_LENGTH = 2 ** 24   # eval --lengths: 16,777,216 tokens, 16x the longest length of the paper grid
 
 
 class _Parser(argparse.ArgumentParser):
@@ -110,109 +111,147 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _claim_run_folder(out, resume, force: bool) -> None:
-    """A new run never writes into a folder that holds another run: one error line pointing at
-    --resume (to continue it) or --force (to replace it: that run's files are removed first).
-    Resuming a checkpoint of the folder itself continues that run."""
-    from sonata.core import checkpoint as ckpt
-
-    found = ckpt.run_files(out)
-    if not found or (resume and Path(resume).resolve().parent == Path(out).resolve()):
-        return
-    if not force:
-        names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
-        hint = (f"--resume {Path(out) / 'checkpoint.pt'} continues it"
-                if (Path(out) / "checkpoint.pt").exists() else "choose another --out")
-        raise SonataError(f"--out {out} holds a run ({names}): {hint}, or --force replaces it")
-    for p in found:
-        p.unlink(missing_ok=True)
-
-
-def cmd_train(args) -> int:
-    import contextlib
+def _train_inputs(args):
+    """Everything `train` is given, read and checked before anything is written: the option
+    combinations, the --resume and --init files loaded, the overrides applied to the config they
+    change (the checkpoint's on --resume) -> (cfg, state, init). Each failure a SonataError."""
     import os
 
     from sonata.core import checkpoint as ckpt
     from sonata.core.config import Config, apply_overrides
-    from sonata.train import distributed
-    from sonata.train.trainer import Trainer
 
-    out = args.out or (str(Path(args.resume).parent) if args.resume
-                       else f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    if not args.resume:                      # a typo in an override creates no folder
-        apply_overrides(Config(), args.overrides)
-    try:
-        state, loaded = (ckpt.load(args.resume), args.resume) if args.resume else (None, None)
-    except SonataError as e:
-        e.agreed = True                      # every rank reads the same file: rank 0 says it
-        raise
-    distributed.check_launch_id()
-    writable_dir(out, "output folder")       # before any work: one error line, not a traceback
-    rank0 = int(os.environ.get("RANK", "0") or 0) == 0
-    # the folder is locked for the whole run, before --force removes anything of another's
-    with ckpt.run_folder_lock(out) if rank0 else contextlib.nullcontext():
-        if distributed.restart_count() == 0:     # a restarted worker continues its own launch's run
-            _claim_run_folder(out, args.resume, args.force)
-            # resuming an older copy in its folder: --out branches, --force discards the later state
-            note = ckpt.claim_for_resume(args.resume, state, out, args.force) if state else None
-            if note and rank0:
-                print(note, flush=True)
+    if args.init and args.resume:
+        raise SonataError("--init starts a new run from weights, --resume continues a run: use one")
     if args.nproc is not None:
         if args.nproc < 1:
             raise SonataError("--nproc must be >= 1")
-        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        if args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
             raise SonataError("--nproc cannot be used inside torchrun (the workers are already started)")
-        if args.nproc > 1:
+    if args.max_restarts < 0:
+        raise SonataError(f"--max-restarts must be >= 0, not {args.max_restarts}")
+    state = ckpt.load(args.resume) if args.resume else None
+    init = ckpt.load(args.init) if args.init else None
+    if init is not None and "model" not in init:
+        raise CheckpointError(f"--init {args.init} holds no model weights")
+    cfg = Config.from_dict(state["config"]) if state else Config()
+    vocab = init["config"]["data"]["vocab_size"] if init and init.get("vocab") else None
+    if vocab:                               # a run from its weights keeps its vocabulary
+        cfg.data.vocab_size = vocab
+    apply_overrides(cfg, args.overrides)
+    if vocab and cfg.data.vocab_size != vocab:
+        raise SonataError(f"--init {args.init} has the vocabulary of data.vocab_size={vocab}, which a run "
+                          f"from its weights keeps: drop data.vocab_size={cfg.data.vocab_size}")
+    return cfg, state, init
+
+
+def _build_trainer(args, cfg, state, init, out):
+    """The run's Trainer, built (data, model, the checkpoint's state) without writing a file: a
+    checkpoint that does not fit is one CheckpointError."""
+    from sonata.train.trainer import Trainer
+
+    try:
+        return Trainer(cfg, out, state=state, progress=args.progress, source=args.resume, init=init)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        if isinstance(e, SonataError) or not (state or init):
+            raise
+        raise CheckpointError(f"checkpoint {args.resume or args.init} does not fit this version of sonata "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+
+
+def cmd_train(args) -> int:
+    """Every input is read and checked, and the Trainer built, before the first file is created,
+    removed or replaced: a command that ends with exit 2 leaves every folder as it was. Then,
+    with the run folder's lock held, the folder is claimed (--force removes another run's files;
+    resuming an older copy with --force discards the later state) and the run starts."""
+    import contextlib
+    import os
+
+    from sonata.core import checkpoint as ckpt
+    from sonata.train import distributed
+
+    out = args.out or (str(Path(args.resume).parent) if args.resume
+                       else f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        cfg, state, init = _train_inputs(args)
+        distributed.check_launch_id()
+    except SonataError as e:
+        e.agreed = True                      # every rank reads the same arguments and files: rank 0 says it
+        raise
+    rank0 = int(os.environ.get("RANK", "0") or 0) == 0
+    restarted = distributed.restart_count()
+    if args.nproc is not None and args.nproc > 1:
+        # the launcher: its workers build the run; it checks the folder, holds its lock and starts them
+        # (rank 0 claims the folder once its Trainer is built, as a single process does)
+        writable_dir(out, "output folder")
+        with ckpt.run_folder_lock(out):
+            _check_claim(out, args, state)
             argv = ["train", "--out", out] + (["--resume", args.resume] if args.resume else []) + \
-                   (["--init", args.init] if args.init else []) + \
+                   (["--init", args.init] if args.init else []) + (["--force"] if args.force else []) + \
                    (["--progress", args.progress] if args.progress else []) + list(args.overrides)
             from sonata.launch import launch
             os.environ[ckpt.RUN_LOCKED_ENV] = str(Path(out).resolve())   # this process holds it
-            return launch(args.nproc, argv, max_restarts=max(0, args.max_restarts))
-    restarted = distributed.restart_count()
+            return launch(args.nproc, argv, max_restarts=args.max_restarts)
     if restarted and (Path(out) / "checkpoint.pt").exists():
         # a worker restarted by torchrun / --max-restarts continues from the run's checkpoint,
         # if this launch wrote it: a checkpoint another run left in a reused --out is not this
         # run's (its workers start over, from --resume or --init as given, or from scratch)
         path = Path(out) / "checkpoint.pt"
         mine = ckpt.load(path).get("launch_id") == distributed.launch_id()
-        if mine:
-            args.resume, args.init = str(path), None             # its weights are in there
-        if int(os.environ.get("RANK", "0") or 0) == 0:
+        if mine:                             # its weights are in there
+            args.resume, args.init = str(path), None
+            from sonata.core.config import Config, apply_overrides
+            state, init = ckpt.load(path), None
+            cfg = apply_overrides(Config.from_dict(state["config"]), args.overrides)
+        if rank0:
             print(f"restart {restarted}: resuming from {path}" if mine else
                   f"restart {restarted}: {path} was written by another run, not resumed", flush=True)
     try:
-        if args.init and args.resume:
-            raise SonataError("--init starts a new run from weights, --resume continues a run: use one")
-        if args.resume and args.resume != loaded:                # a restarted worker's own checkpoint
-            state = ckpt.load(args.resume)
-        cfg = Config.from_dict(state["config"]) if args.resume else Config()
-        init = ckpt.load(args.init) if args.init else None
-        vocab = init["config"]["data"]["vocab_size"] if init and init.get("vocab") else None
-        if vocab:                           # a run from its weights keeps its vocabulary
-            cfg.data.vocab_size = vocab
-        apply_overrides(cfg, args.overrides)
-        if vocab and cfg.data.vocab_size != vocab:
-            raise SonataError(f"--init {args.init} has the vocabulary of data.vocab_size={vocab}, which a run "
-                              f"from its weights keeps: drop data.vocab_size={cfg.data.vocab_size}")
-        try:
-            trainer = Trainer(cfg, out, state=state, progress=args.progress, source=args.resume, init=init)
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-            if isinstance(e, SonataError) or not (state or init):
-                raise
-            raise CheckpointError(f"checkpoint {args.resume or args.init} does not fit this version of sonata "
-                                  f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+        trainer = _build_trainer(args, cfg, state, init, out)
+        trainer.check_budget()
+        if rank0:
+            writable_dir(out, "output folder")   # the first write: the folder, proven writable
     except SonataError as e:
         _print_error(e, agreed=True)   # the same arguments and files on every rank: rank 0 says it
         return EXIT_USAGE
-    summary = trainer.run()
+    # the folder is locked for the whole run, before --force removes anything of another's
+    with ckpt.run_folder_lock(out) if rank0 else contextlib.nullcontext():
+        if restarted == 0 and rank0:         # a restarted worker continues its own launch's run
+            _check_claim(out, args, state)
+            ckpt.claim_run_folder(out, args.resume, args.force)
+            # resuming an older copy in its folder: --out branches, --force discards the later state
+            note = ckpt.claim_for_resume(args.resume, state, out, args.force) if state else None
+            if note:
+                print(note, flush=True)
+        summary = trainer.run()
     if not distributed.is_main():
         return 0
     keys = ("steps", "tokens", "val_loss", "val_bpb", "val_acc", "tok_per_s_sustained", "backend", "fallbacks",
             "train_seconds", "stopped_by")
-    print(json.dumps({k: summary[k] for k in keys if k in summary}))
-    print(f"wrote {out}/metrics.jsonl, {out}/checkpoint.pt and {out}/summary.json")
+    print(finite_json({k: summary[k] for k in keys if k in summary}))
+    print(_wrote(Path(out), trainer))
     return 0
+
+
+def _check_claim(out, args, state) -> None:
+    """The folder's claim judged without touching it: refused (one SonataError) unless it may go on."""
+    from sonata.core import checkpoint as ckpt
+
+    if not args.force:
+        ckpt.claim_run_folder(out, args.resume, force=False)
+        if state is not None:
+            ckpt.claim_for_resume(args.resume, state, out, force=False)
+
+
+def _wrote(out: Path, trainer) -> str:
+    """The line naming the run's files that exist (a model with non-finite weights is never
+    checkpointed: the line says so instead of naming a file that was not written)."""
+    names = [n for n in ("metrics.jsonl", "checkpoint.pt", "summary.json") if (out / n).exists()]
+    line = "wrote " + ", ".join(f"{out}/{n}" for n in names)
+    if not trainer.model_is_finite():
+        line += ("; no checkpoint of this run: its weights are not finite"
+                 if "checkpoint.pt" not in names else
+                 f"; {out}/checkpoint.pt is the last one with finite weights (the final weights are not finite)")
+    return line
 
 
 def cmd_prepare(args) -> int:
@@ -247,7 +286,7 @@ def cmd_autotune(args) -> int:
     if res is None:
         raise SonataError("train.fixed_micro_batch is set: there is nothing to autotune")
     if args.json:
-        print(json.dumps(res))
+        print(finite_json(res))
         return 0
     p = trainer.profile
     print(f"profile {p.name}: budget {p.memory_budget_mb:,} MiB ({p.budget_source}), "
@@ -272,7 +311,7 @@ def cmd_bench(args) -> int:
         raise SonataError("--steps and --window must be >= 1 and --warmup >= 0")
     rec = bench.run_bench(args.overrides, steps=steps, warmup=warmup, window=window)
     if args.json:
-        print(json.dumps(rec.to_dict(runs=False)))
+        print(finite_json(rec.to_dict(runs=False)))
         return 0
     print(f"{rec.hardware}; device {rec.device}, {rec.threads} threads, precision {rec.precision}, "
           f"backend {rec.backend}, micro-batch {rec.micro_batch} x {rec.accumulation}")
@@ -324,7 +363,7 @@ def cmd_eval(args) -> int:
     precision = trained_precision(args.checkpoint, device)     # the trainer's figures for int8, bf16
     r = evaluate_file(model, vocab, args.text, cfg.data.seq_len, precision=precision)
     if args.json:
-        print(json.dumps({"loss": r.loss, "bpb": r.bpb, "tokens": r.tokens, "bytes": r.bytes,
+        print(finite_json({"loss": r.loss, "bpb": r.bpb, "tokens": r.tokens, "bytes": r.bytes,
                           "stories": r.stories, "coverage": r.coverage, "seq_len": cfg.data.seq_len,
                           "precision": precision}))
         return 0
@@ -350,6 +389,9 @@ def _eval_task(args, model, cfg) -> int:
         raise SonataError(f"--lengths must be comma-separated integers, not {args.lengths!r}") from None
     if not lengths or min(lengths) < task.min_length:
         raise SonataError(f"--lengths: each length must be at least {task.min_length} for the task {task.name!r}")
+    if max(lengths) > MAX_EVAL_LENGTH:
+        raise SonataError(f"--lengths: each length must be at most {MAX_EVAL_LENGTH:,} (2^24) tokens, "
+                          f"not {max(lengths):,}")
     for length in lengths:                  # a task's own limits (mqar: a key per pair)
         try:
             task.check_length(length)
@@ -374,7 +416,7 @@ def _eval_task(args, model, cfg) -> int:
                   flush=True)
     rows = accuracy_by_length(model, task, lengths, args.n, args.n_long, args.seed, args.budget_s, on_row=show)
     if args.json:
-        print(json.dumps({"task": task.name, "arch": cfg.model.arch, "train_length": cfg.data.seq_len,
+        print(finite_json({"task": task.name, "arch": cfg.model.arch, "train_length": cfg.data.seq_len,
                           "chance": task.chance(), "rows": rows}))
     return 0
 

@@ -58,6 +58,31 @@ def run_cli(*args, cwd=None, timeout=300):
                           cwd=cwd or REPO, timeout=timeout)
 
 
+def snapshot(folder):
+    """Every file's bytes (and every folder) under `folder`, by relative path; None when it does
+    not exist: what "a refused command leaves the folder byte-identical" compares."""
+    folder = Path(folder)
+    if not folder.exists():
+        return None
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}
+
+
+def train_in_process(out, **extra):
+    """A tiny run into `out` through the command line's own entry point, in this process."""
+    from sonata.__main__ import main
+    assert main(["train", "--out", str(out), "--progress", "none", *tiny_overrides(**extra)]) == 0
+    return out
+
+
+def wait_for(path, proc, timeout=120):
+    """Wait until `path` exists while subprocess `proc` runs; it must still be running then."""
+    import time
+    deadline = time.monotonic() + timeout
+    while not Path(path).exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+
+
 def _assert_one_error_line(r, fragment):
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = [line for line in r.stderr.splitlines() if line.strip()]

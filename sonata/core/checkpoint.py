@@ -29,6 +29,7 @@ import torch
 from sonata.core import inject
 from sonata.core.config import Config
 from sonata.core.errors import CheckpointError, ConfigError, SonataError, WriteError
+from sonata.core.jsonsafe import finite_json
 
 FORMAT = "sonata-checkpoint-v1"
 
@@ -191,14 +192,14 @@ class MetricsLog:
                     kept.append(line + "\n")
                     last = max(last, row.get("step", 0))
             if last_row is not None and last_row.get("step") == through_step and last < through_step:
-                kept.append(json.dumps(last_row) + "\n")
+                kept.append(finite_json(last_row) + "\n")
             write_atomic(self.path, "".join(kept).encode(), "metrics file")
         elif not through_step:
             write_atomic(self.path, b"", "metrics file")
         self._f = open(self.path, "a")
 
     def write(self, row: dict) -> None:
-        line = json.dumps(row) + "\n"
+        line = finite_json(row) + "\n"
         try:
             self._f.write(line)
             self._f.flush()
@@ -215,55 +216,96 @@ class MetricsLog:
 RUN_FILES = ("checkpoint.pt", "metrics.jsonl", "summary.json", "model_int8.pt")
 RUN_LOCK = ".sonata-run.lock"        # held (flock) by the process that runs into the folder
 RUN_LOCKED_ENV = "SONATA_RUN_LOCKED"  # set by a launcher that holds the lock for its workers
-_locks: dict[str, object] = {}        # the open lock files of this process, kept for its life
+_locks: dict[str, list] = {}          # folder -> [open lock file, depth] of the locks this process holds
+
+
+def _describe_holder(who: str | None) -> str:
+    import sys
+    import time
+    if who is None:                      # the command line, or the program that called the Trainer
+        main = (os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c")
+                else "python -c" if sys.argv else "python")
+        who = (f"python -m sonata {' '.join(sys.argv[1:])}" if main == "__main__.py"
+               else f"Trainer.run() in {main}")
+    return f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: {who}"[:400]
+
+
+def _lock_open(path: Path, folder: Path):
+    """The lock file `path`, opened and flock'ed exclusively, or a SonataError naming its holder.
+    The file is never removed (by anyone: a removed lock file lets two later runs each lock a
+    file of their own); should it be replaced all the same, the inode is checked after locking
+    and the lock taken again on the file the path now names."""
+    import fcntl
+    for _ in range(16):
+        try:
+            f = open(path, "a+")
+        except OSError as e:
+            raise SonataError(f"--out {folder}: cannot open its lock file {path.name}: "
+                              f"{e.strerror or e}") from None
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            who = f.read().strip() or "a process that has not yet said which"
+            f.close()
+            raise SonataError(f"--out {folder} is in use by another run ({who}): wait for it to end, "
+                              f"or choose another --out") from None
+        try:
+            same = os.fstat(f.fileno()).st_ino == os.stat(path).st_ino
+        except OSError:
+            same = False
+        if same:
+            return f
+        f.close()                         # locked a file that was unlinked meanwhile: again
+    raise SonataError(f"--out {folder}: its lock file {path.name} keeps being replaced; is another "
+                      f"program removing it?")
 
 
 @contextlib.contextmanager
-def run_folder_lock(folder):
-    """An exclusive lock on run folder `folder`, taken on entry and kept for the rest of this
-    process's life (flock: the kernel lets go when the process ends, killed or not, so no
-    stale lock survives it). A second run into the folder fails at once with one line naming
-    the first: its pid, start time and command line, which the holder writes into the lock
-    file once the body (the folder's claim) has passed. A body that raises (a refused run)
-    leaves the folder as it found it: the lock is let go, the file removed if this call made
-    it. A process holding the lock already (or a launcher holding it for its workers,
-    RUN_LOCKED_ENV) passes through."""
-    import fcntl
-    import sys
-    import time
-
+def run_folder_lock(folder, who: str | None = None):
+    """An exclusive lock on run folder `folder` (created if needed) for the body: one run per
+    folder, whoever starts it (the command line, `Trainer.run()` from a notebook or a script,
+    a benchmark). flock: the kernel lets go when the process ends, killed or not, so no stale
+    lock outlives it. A second run into the folder fails at once with one line naming the
+    holder (`who`, default: this process's command line), written into the lock file when
+    it is taken. Re-entrant in one process (the command line holds it around `Trainer.run()`,
+    which takes it again); a launcher holding it for its workers (RUN_LOCKED_ENV) lets them
+    pass. The lock file stays in the folder (an empty `.sonata-run.lock` when unheld)."""
     folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     key = str(folder.resolve())
-    if key in _locks or os.environ.get(RUN_LOCKED_ENV) == key:
+    if os.environ.get(RUN_LOCKED_ENV) == key:
         yield
         return
-    path = folder / RUN_LOCK
-    made = not path.exists()
-    try:
-        f = open(path, "a+")
-    except OSError as e:
-        raise SonataError(f"--out {folder}: cannot open its lock file {path.name}: {e.strerror or e}") from None
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        who = f.read().strip() or "a process that has not yet said which"
-        f.close()
-        raise SonataError(f"--out {folder} is in use by another run ({who}): wait for it to end, "
-                          f"or choose another --out") from None
-    try:
-        yield
-    except BaseException:
-        if made:
-            path.unlink(missing_ok=True)
-        f.close()
-        raise
+    if key in _locks:
+        _locks[key][1] += 1
+        try:
+            yield
+        finally:
+            _locks[key][1] -= 1
+        return
+    f = _lock_open(folder / RUN_LOCK, folder)
     f.seek(0)
     f.truncate()
-    f.write(f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
-            f"python -m sonata {' '.join(sys.argv[1:])}"[:400])
+    f.write(_describe_holder(who))
     f.flush()
-    _locks[key] = f
+    _locks[key] = [f, 1]
+    try:
+        yield
+    finally:
+        del _locks[key]
+        try:
+            f.seek(0)
+            f.truncate()                  # unheld: says nobody (a reader sees an empty file)
+        except OSError:
+            pass
+        f.close()                         # closing lets go of the flock
+
+
+def holds_run_folder(folder) -> bool:
+    """Whether this process holds `folder`'s lock (or runs for a launcher that does)."""
+    key = str(Path(folder).resolve())
+    return key in _locks or os.environ.get(RUN_LOCKED_ENV) == key
 
 
 def run_files(folder) -> list[Path]:
@@ -277,6 +319,25 @@ def run_files(folder) -> list[Path]:
     found += folder.glob("checkpoint-step*.pt")
     found += folder.glob("events.out.tfevents.*")
     return sorted(set(found))
+
+
+def claim_run_folder(out, resume=None, force: bool = False) -> list[Path]:
+    """Before a new run writes into `out`: a folder that holds another run is refused with one
+    line pointing at --resume (to continue it) or --force (to replace it), unless `force`;
+    with `force`, that run's files are removed (returned). Resuming a checkpoint of the folder
+    itself continues that run (`claim_for_resume` judges it). Call it with the folder's lock
+    held and after every check of the command has passed: it is the command's first write."""
+    found = run_files(out)
+    if not found or (resume and Path(resume).resolve().parent == Path(out).resolve()):
+        return []
+    if not force:
+        names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
+        hint = (f"--resume {Path(out) / 'checkpoint.pt'} continues it"
+                if (Path(out) / "checkpoint.pt").exists() else "choose another --out")
+        raise SonataError(f"--out {out} holds a run ({names}): {hint}, or --force replaces it")
+    for p in found:
+        p.unlink(missing_ok=True)
+    return found
 
 
 def copies(path) -> dict[int, Path]:

@@ -15,6 +15,9 @@ from sonata.core.errors import ConfigError
 
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+FLOAT32_MAX = 3.4028234663852886e38     # the largest finite float32
+INT32_MAX = 2**31 - 1                   # every integer setting fits an int32 (a size a typo made stops here)
+MAX_EMBED_STD = 1e4     # model.embed_std's ceiling: far past any init in use, and every model trains finite at it
 
 
 ARCHS = ("mamba", "lti", "mamba2", "mamba3", "attention", "gpt2", "hybrid")
@@ -297,6 +300,11 @@ class Config:
                 v, key = getattr(getattr(self, section.name), f.name), f"{section.name}.{f.name}"
                 _check(not isinstance(v, float) or math.isfinite(v) or key == "train.max_seconds",  # (its own)
                        f"{key} must be a finite number, not {v!r}")
+                _check(not isinstance(v, int) or isinstance(v, bool) or abs(v) <= INT32_MAX,
+                       f"{key} must be at most {INT32_MAX:,} in size, not {v}")
+                # a model's numbers become float32 tensors: 1e300 is finite here and infinite there
+                _check(section.name != "model" or not isinstance(v, float) or abs(v) <= FLOAT32_MAX,
+                       f"{key} must be within float32's range (at most {FLOAT32_MAX:.4g}), not {v!r}")
         _check(m.arch in ARCHS, f"model.arch must be one of {', '.join(ARCHS)}, not {m.arch!r}")
         if m.layers:
             _check(m.arch != "gpt2", "model.layers builds a sonata stack; model.arch=gpt2 is transformers' GPT-2")
@@ -317,13 +325,18 @@ class Config:
             _check(m.a_param == "log", "model.a_param=direct is the Mamba-1 ablation; mamba2 and mamba3 "
                                        "layers keep A negative by construction (model.a_param=log)")
         _check(m.d_model > 0, "model.d_model must be positive")
-        _check(math.isfinite(m.embed_std) and m.embed_std > 0,
-               f"model.embed_std must be a positive number, not {m.embed_std}")
+        _check(math.isfinite(m.embed_std) and 0 < m.embed_std <= MAX_EMBED_STD,
+               f"model.embed_std must be in (0, {MAX_EMBED_STD:g}], not {m.embed_std}")
         _check(m.arch != "gpt2" or (m.tie_embeddings and m.embed_std == 0.02),
                "model.tie_embeddings and model.embed_std are sonata models' (model.arch=gpt2 is transformers' GPT-2)")
-        _check(m.arch != "attention" or (m.n_heads > 0 and m.d_model % (2 * m.n_heads) == 0),
+        _check("attention" not in m.kinds or (m.n_heads > 0 and m.d_model % (2 * m.n_heads) == 0),
                f"model.n_heads ({m.n_heads}) must divide model.d_model ({m.d_model}) into heads of even "
-               f"width (rotary positions rotate pairs)")
+               f"width (rotary positions rotate pairs)"
+               + (f": the attention layers of model.layers={m.layers}" if m.layers else ""))
+        _check("mamba3" not in m.kinds or m.rope_fraction == 0 or int(m.d_state * m.rope_fraction) >= 2,
+               f"model.rope_fraction={m.rope_fraction:g} rotates no pair of the {m.d_state} state channels "
+               f"(2 x floor(d_state x fraction / 2) = 0): give at least {2 / m.d_state:g} to rotate a pair, "
+               f"or 0 to turn the rotation off")
         _check(m.arch != "gpt2" or (m.n_heads > 0 and m.d_model % m.n_heads == 0),
                f"model.n_heads ({m.n_heads}) must divide model.d_model ({m.d_model})")
         _check(m.arch != "gpt2" or not self.task.name,
@@ -364,6 +377,9 @@ class Config:
         _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]")
         _check(t.warmup_steps >= 0, "train.warmup_steps must be >= 0")
         _check(t.weight_decay >= 0, "train.weight_decay must be >= 0")
+        _check(t.lr * t.weight_decay < 1,
+               f"train.weight_decay ({t.weight_decay:g}) x train.lr ({t.lr:g}) must be below 1: each AdamW step "
+               f"multiplies the weights by 1 - lr x weight_decay")
         _check(0 < t.beta2 < 1, "train.beta2 must be in (0, 1)")
         _check(t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 = off)")
         _check(m.a_param in ("log", "direct"), f"model.a_param must be log or direct, not {m.a_param!r}")

@@ -142,7 +142,7 @@ class Schedule:
         if t.max_seconds and self.stopped_by == "steps" and t.min_lr_ratio < 1:
             warnings.warn(f"sonata: train.max_steps={t.max_steps} ended the run after {self.train_seconds:.1f} s "
                           f"of its {t.max_seconds:g} s budget (the learning rate had not reached its floor); "
-                          f"train.max_steps=0 lifts the step cap", UserWarning, stacklevel=4)
+                          f"train.max_steps=0 lifts the step cap", UserWarning, stacklevel=5)
 
     def bar(self, step: int) -> tuple[int, str]:
         """(total, label) of the progress bar: steps to go, or under a budget its whole seconds."""

@@ -25,7 +25,7 @@ from sonata.core import checkpoint as ckpt
 from sonata.core import inject
 from sonata.core.config import Config, resolve_profile
 from sonata.core.device import check_precision, resolve_device, sync
-from sonata.core.errors import CheckpointError
+from sonata.core.errors import CheckpointError, SonataError
 from sonata.data.batches import BatchSampler, build_corpus
 from sonata.train import distributed
 from sonata.train import stops
@@ -116,6 +116,70 @@ def restore_state(tr, state: dict) -> None:
     tr.optimizer.zero_grad(set_to_none=True)
 
 
+def check_fits(cfg: Config, micro_batch: int, budget_bytes: int, what: str) -> None:
+    """Before the model is built: a MemoryBudgetExceeded when the run certainly needs more than the
+    memory budget (`what` says where it comes from). The parameters are counted on the meta device
+    (no memory), and the bytes counted are a floor of what training holds: float32 weights,
+    gradients and AdamW's two moments, plus one micro-batch's logits and their gradient. A size a
+    typo made (model.d_model=960000, train.micro_batch=10^9) is one error line, not an allocation
+    that fails inside PyTorch or a process the kernel kills."""
+    from sonata.train.memory import fmt_mib
+    try:
+        with torch.device("meta"):
+            params = sum(p.numel() for p in build_model(cfg).parameters())
+    except SonataError:
+        raise
+    except Exception as e:          # noqa: BLE001 - sizes past what PyTorch can index, say
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+        raise SonataError(f"the model of these model.* settings cannot be built ({type(e).__name__}: {first})") from None
+    weights = 16 * params
+    logits = 8 * micro_batch * cfg.data.seq_len * cfg.model.vocab_size
+    if weights + logits > budget_bytes:
+        raise MemoryBudgetExceeded(
+            f"this run needs at least {fmt_mib(weights + logits)} (a model of {params:,} parameters with its "
+            f"gradients and AdamW's moments: {fmt_mib(weights)}; one micro-batch of {micro_batch} x "
+            f"{cfg.data.seq_len} tokens' logits over {cfg.model.vocab_size:,} tokens: {fmt_mib(logits)}), "
+            f"over the budget of {fmt_mib(budget_bytes)} ({what})",
+            "make the model or the micro-batch smaller, or raise profile.memory_budget_mb",
+            budget_bytes=budget_bytes, used_bytes=weights + logits)
+
+
+def _arch_of(state: dict) -> str | None:
+    """A checkpoint's model.arch (its layer list for a hybrid), or None when it holds no config."""
+    m = (state.get("config") or {}).get("model") or {}
+    return m.get("layers") or m.get("arch")
+
+
+def weights_misfit(model: torch.nn.Module, weights: dict, arch: str | None = None, model_cfg=None) -> str | None:
+    """What keeps `weights` (a state dict) from loading into `model`, in one phrase naming the first
+    misfit: a key whose shape differs (the weights' shape, the model's), or the keys that one side
+    lacks (with both architectures when known: `arch`, the weights' model.arch or layer list, and
+    `model_cfg`, the model's ModelConfig); None when they fit."""
+    own = model.state_dict()
+    for k, t in own.items():
+        w = weights.get(k)
+        if isinstance(w, torch.Tensor) and tuple(w.shape) != tuple(t.shape):
+            return (f"{k} is {_shape(w)} in the checkpoint and {_shape(t)} in this model "
+                    f"(compare the model.* settings they were made with)")
+    missing = [k for k in own if k not in weights]
+    extra = [k for k in weights if k not in own]
+    if not (missing or extra):
+        return None
+    mine = (model_cfg.layers or model_cfg.arch) if model_cfg is not None else None
+    archs = (f" (the checkpoint's model is {arch}, this one {mine})" if arch and mine and arch != mine
+             else f" (the checkpoint's model is {arch})" if arch else "")
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} of this model's weights are not in the checkpoint, the first {missing[0]}")
+    if extra:
+        parts.append(f"{len(extra)} of the checkpoint's are not in this model, the first {extra[0]}")
+    return "; ".join(parts) + archs
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "(" + ", ".join(str(n) for n in t.shape) + ")"
+
+
 def _from_record(name: str, doc: str) -> property:
     """A read-only Trainer attribute that is the record's (`trainer.record`)."""
     return property(lambda tr: getattr(tr.record, name), doc=doc)
@@ -174,11 +238,12 @@ class Trainer:
                                        self.profile.memory_budget_bytes, progress)
         vocab_size = self.task.vocab_size if self.task else len(self.corpus.vocab)
         self.cfg = cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab_size))   # the caller's stays
+        check_fits(cfg, self.plan.micro_batch, self.profile.memory_budget_bytes, self.guard.what)
         seed_everything(t.seed)
         self.model = build_model(cfg).to(self.device)
         set_int8(self.model, self.plan.precision == "int8")
         if init:
-            self.start_from(init["model"])
+            self.start_from(init["model"], _arch_of(init))
         # micro-steps, clip, the optimizer step or its skip (AdamW, fp16's GradScaler)
         self.update = Updater(self.model, cfg, self.device, self.plan.precision, self.task, self.injected_leak)
         self.optimizer, self.scaler = self.update.optimizer, self.update.scaler
@@ -206,16 +271,20 @@ class Trainer:
         """The training state of `state_dict()` (the plan is resolved in __init__)."""
         restore_state(self, state)
 
-    def start_from(self, model_state: dict) -> None:
+    def start_from(self, model_state: dict, arch: str | None = None) -> None:
         """A new run from another run's weights (`train --init`, notebook 08's second phase):
         the model's parameters, nothing else (the optimizer, schedule and data start afresh).
-        Weights of another architecture or shape are a CheckpointError, and so is an untied head
-        loaded into a tied model (it would overwrite the embedding it shares)."""
+        Weights of another architecture or shape are a CheckpointError naming the first misfit
+        (`weights_misfit`; `arch`: the weights' model.arch, named when the keys differ), and so
+        is an untied head loaded into a tied model (it would overwrite the embedding it shares)."""
         head, emb = model_state.get("lm_head.weight"), model_state.get("embedding.weight")
         if (self.cfg.model.tie_embeddings and head is not None and emb is not None and head is not emb
                 and not torch.equal(head, emb)):
             raise CheckpointError("the initial weights have their own output head (untied): train with "
                                   "model.tie_embeddings=false")
+        misfit = weights_misfit(self.model, model_state, arch, self.cfg.model)
+        if misfit:
+            raise CheckpointError(f"the initial weights do not fit this model: {misfit}")
         try:
             self.model.load_state_dict(model_state)
         except (RuntimeError, KeyError) as e:
@@ -333,7 +402,31 @@ class Trainer:
     def run(self, on_step=None) -> dict:
         """Train until the schedule says the run is over (train.max_steps, or a time budget of
         train.max_seconds of training time: sonata.train.schedule) -> the summary. `on_step(trainer,
-        row)` may add fields to each row; train.eval_every stays in steps."""
+        row)` may add fields to each row; train.eval_every stays in steps.
+
+        One run per folder: the run folder's lock (`checkpoint.run_folder_lock`) is held from the
+        first write to the last, so a second run into the folder, from the command line, a
+        notebook or a script, is refused with one line naming this one (and this one is refused
+        while another holds it)."""
+        self.check_budget()
+        with (ckpt.run_folder_lock(self.out_dir) if self.out_dir is not None and self.is_main
+              else contextlib.nullcontext()):
+            return self._run(on_step)
+
+    def check_budget(self) -> None:
+        """A MemoryBudgetExceeded when this process already holds more than the memory budget (what
+        the guard counts: the resident set on CPU, allocated bytes on CUDA), so the first step would
+        trip the guard: said before the run writes a file (the command line asks before it claims
+        the folder, run() before it starts)."""
+        from sonata.train.memory import fmt_mib
+        used, budget = current_bytes(self.device), self.profile.memory_budget_bytes
+        if used > budget:
+            raise MemoryBudgetExceeded(
+                f"this process already uses {fmt_mib(used)} before training starts, over the budget of "
+                f"{fmt_mib(budget)} ({self.guard.what})", "raise profile.memory_budget_mb",
+                budget_bytes=budget, used_bytes=used)
+
+    def _run(self, on_step) -> dict:
         t, sch, rec = self.cfg.train, self.schedule, self.record
         t_start = time.perf_counter()
         with stops.on_lost_peer(self):           # autotuning and DDP's construction talk to the peers too
@@ -354,7 +447,7 @@ class Trainer:
                     # follow memory (the leak detector warns once), then the caller's hook
                     if self.leak.follow(row["mem_bytes"], row["step_tokens"]):
                         warnings.warn(f"sonata: {self.leak.message()} (step {rec.step})", RuntimeWarning,
-                                      stacklevel=2)
+                                      stacklevel=3)
                     if self.leak.enough:
                         row["mem_slope_bytes_per_step"] = self.leak.slope()
                     if on_step is not None:

@@ -56,18 +56,21 @@ def test_guard_trip_checkpoints_the_last_good_state_and_it_resumes(tmp_path):
         assert torch.equal(p, q)
 
 
-def test_cli_memory_budget_of_1_mb_exits_2_and_leaves_a_loadable_checkpoint(tmp_path):
+def test_cli_memory_budget_below_what_the_process_holds_is_refused_before_anything_is_written(tmp_path):
+    """A budget the process passes before its first step (1 MiB) is one error line naming it, said
+    before the run folder is made (issue 57: an exit 2 changes no folder; this run used to write a
+    step-0 checkpoint to resume from, which was a fresh start under another name); with a budget
+    the run trains."""
     out = tmp_path / "run"
     r = run_cli("train", "--out", str(out), "--progress", "none",
                 *tiny_overrides(**{"profile.memory_budget_mb": 1}))
-    assert r.returncode == 2
-    _assert_one_error_line(r, "memory budget exceeded")
-    assert "1.0 MiB" in r.stderr and "profile.memory_budget_mb" in r.stderr
-    model, vocab, cfg = load_model(out / "checkpoint.pt")
-    assert cfg.profile.memory_budget_mb == 1 and len(vocab) == 300
-    r = run_cli("train", "--resume", str(out / "checkpoint.pt"), "--progress", "none",
-                "profile.memory_budget_mb=0", "train.max_steps=2")
+    _assert_one_error_line(r, "memory budget exceeded: this process already uses ")
+    assert "over the budget of 1.0 MiB (profile.memory_budget_mb)" in r.stderr
+    assert not out.exists()
+    r = run_cli("train", "--out", str(out), "--progress", "none", *tiny_overrides(**{"train.max_steps": 2}))
     assert r.returncode == 0, r.stderr
+    _, vocab, cfg = load_model(out / "checkpoint.pt")
+    assert cfg.profile.memory_budget_mb == 0 and len(vocab) == 300
 
 
 # ---------------------------------------------------------------- leak detector
@@ -243,6 +246,8 @@ def test_trainer_reports_a_real_leak_and_a_clean_run():
             warnings.simplefilter("always")
             s = tr.run()
         reports[leak] = (s, [str(x.message) for x in w], tr.history)
+        # 22 steps: 20 readings, a short window: the summary names the 4x allowance applied
+        assert s["leak_threshold_bytes_per_step"] == tr.leak.allowance() == 4 * 256 * 1024, leak
     s, msgs, hist = reports["keep_graph"]
     assert s["leak"] and s["mem_slope_bytes_per_step"] > 1 * 2**20
     assert any("a leak" in m for m in msgs) and all(r["debug_leak"] == "keep_graph" for r in hist)
@@ -309,3 +314,23 @@ def test_a_step_the_check_after_it_trips_is_logged_with_its_memory(tmp_path):
         [sorted(fields - set(r)) for r in tr.history]
     assert all(r["h2d_bytes"] >= 0 and r["d2h_bytes"] >= 0 for r in tr.history)
 
+
+
+def test_the_allowance_reported_is_the_one_applied():
+    """summary.json's leak_threshold_bytes_per_step and the warning's "threshold" name the
+    allowance the verdict was judged at: 4x the threshold while the window is short (it once
+    stored 0.25 MiB there while 1 MiB was applied), the threshold itself from EARLY_READINGS
+    readings on; a detector made with early_readings=0 (the bench's) applies the threshold
+    from its first verdict."""
+    from sonata.train.leak import EARLY_FACTOR, EARLY_READINGS
+    short, bench = LeakDetector(), LeakDetector(early_readings=0)
+    for i in range(30):                                # 28 readings after the 2 skipped
+        for det in (short, bench):
+            det.record(600 * MiB + i * 2 * MiB)
+    assert short.report()["leak_threshold_bytes_per_step"] == short.allowance() == EARLY_FACTOR * 256 * 1024
+    assert "threshold 1.0 MiB" in short.message()
+    assert bench.report()["leak_threshold_bytes_per_step"] == bench.allowance() == 256 * 1024
+    assert "threshold 0.25 MiB" in bench.message()
+    for i in range(30, 2 + EARLY_READINGS):
+        short.record(600 * MiB + i * 2 * MiB)
+    assert short.report()["leak_threshold_bytes_per_step"] == short.allowance() == 256 * 1024

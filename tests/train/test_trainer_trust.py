@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, _assert_one_error_line, run_cli, tiny_overrides
+from conftest import REPO, _assert_one_error_line, run_cli, tiny_overrides, wait_for
 from sonata.core import checkpoint as ckpt
 from sonata.core.config import make_config
 from sonata.core.errors import TrainingDiverged
@@ -267,10 +267,7 @@ def test_a_running_run_holds_its_folder(tmp_path):
     first = subprocess.Popen([sys.executable, "-m", "sonata", *args], cwd=REPO, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (out / "checkpoint.pt").exists() and time.monotonic() < deadline and first.poll() is None:
-            time.sleep(0.05)
-        assert first.poll() is None, first.communicate()[1][-2000:]
+        wait_for(out / "checkpoint.pt", first)
         rows = len((out / "metrics.jsonl").read_text().splitlines())
         r = run_cli(*args, "--force")
         _assert_one_error_line(r, f"--out {out} is in use by another run (pid {first.pid}, started ")
