@@ -29,7 +29,7 @@ export TIKTOKEN_CACHE_DIR ?= $(CURDIR)/.cache/tiktoken
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: setup train test test-fast fuzz bench lint clean kernel lab
+.PHONY: setup train test test-fast fuzz bench lint clean lab
 
 setup: $(STAMP)
 
@@ -86,6 +86,10 @@ fuzz: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not notebook" tests
+
+# Unused imports and names, undefined names (pyflakes); make test runs it too (tests/test_project.py)
+lint: $(STAMP)
+	$(BIN)/python -m pyflakes sonata tests benchmarks
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/scan.py

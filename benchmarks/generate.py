@@ -10,7 +10,7 @@ must produce the same ids: the table says whether they did. Rows:
 
   sonata            MambaLM.generate: the prompt in one parallel pass, then the
                     Decoder (on CPU in float32: one fused numba call per step,
-                    sonata.kernels.decode_cpu; else preallocated torch buffers)
+                    sonata.kernels.selective.decode_cpu; else preallocated torch buffers)
   sonata reference  MambaLM.generate_reference: the prompt token by token, new state
                     tensors per step (the path generation took before)
   transformers      MambaForCausalLM.generate with its cache (use_cache=True), at 1 thread

@@ -327,6 +327,7 @@ def torch_threads() -> int:
 
 def cmd_generate(args) -> int:
     from sonata.lab.generate import load_text_model, stream_text
+    from sonata.model import families
 
     if args.n < 1 or args.max_new_tokens < 0:
         raise SonataError("--n must be >= 1 and --max-new-tokens >= 0")
@@ -335,8 +336,8 @@ def cmd_generate(args) -> int:
     if args.top_k < 0:
         raise SonataError(f"--top-k must be >= 0 (0: the whole vocabulary), not {args.top_k}")
     model, vocab, cfg = load_text_model(args.checkpoint)
-    if not cfg.model.recurrent:
-        raise SonataError(f"generation needs a recurrent model (every layer mamba or mamba2); this one is "
+    if not families.recurrent(cfg.model):
+        raise SonataError(f"generation needs a recurrent model (every layer mamba, mamba2 or mamba3); this one is "
                           f"model.arch={cfg.model.arch} ({','.join(cfg.model.kinds)})")
     for i in range(args.n):             # streamed: each piece printed as soon as it is sampled
         print(f"--- sample {i + 1}\n{args.prompt}", end="", flush=True)

@@ -36,6 +36,22 @@ def tinystories_path():
     return Path(p)
 
 
+@pytest.fixture(scope="module")
+def embedded():
+    """The embedded corpus's stories (tests/data)."""
+    from sonata.data.sources import load_stories
+    return load_stories("embedded")
+
+
+@pytest.fixture(scope="module")
+def vocab(embedded):
+    """The compact 512-token vocabulary of the embedded corpus's training split."""
+    from sonata.data.sources import split_train_val
+    from sonata.data.vocab import Vocab
+    train, _ = split_train_val(embedded, 0.1)
+    return Vocab.build(train, 512)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from sonata.data.vocab import get_tokenizer

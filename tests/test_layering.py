@@ -22,12 +22,19 @@ PACKAGES = [
 ]
 INSIDE = {
     "core": [{"errors", "inject", "rng", "jsonsafe"}, {"config", "device", "progress", "checkpoint"}],
-    "kernels": [{"numba_cache", "reference", "autograd", "ssd.reference"},
-                {"cpu_simd", "ssd.triton_fwd", "ssd.cpu_fused", "ssd.step", "ssd.cpu_steps", "ssd.cpu_recurrent"},
-                {"cpu_scan", "cpu_conv", "cpu_norm", "cpu_loss", "decode_cpu", "triton", "ssd.cpu", "ssd.triton_bwd"},
-                {"cpu", "ssd.triton"}, {"__init__"}, {"ssd"}],
+    # dispatch (the backend policy) at the bottom; one folder per family (selective, layers,
+    # ssd), each family's __init__ (its entry points) above its files; the re-exports, then
+    # the SSD (its packed form calls the re-exported gated norm)
+    "kernels": [{"dispatch", "numba_cache", "cpu_arrays", "selective.autograd", "layers.autograd"},
+                {"cpu_simd", "selective.reference", "layers.reference", "ssd.reference"},
+                {"selective.cpu_kernels", "selective.decode_cpu", "selective.triton", "layers.cpu_conv",
+                 "layers.cpu_norm", "layers.cpu_loss", "ssd.triton_fwd", "ssd.cpu_fused", "ssd.step",
+                 "ssd.cpu_steps", "ssd.cpu_recurrent"},
+                {"selective.cpu", "layers.cpu", "ssd.cpu", "ssd.triton_bwd"},
+                {"ssd.triton", "selective", "layers"}, {"__init__"}, {"ssd"}],
     "data": [{"vocab"}, {"sources"}, {"token_cache"}, {"batches", "tasks"}],
-    "model": [{"quant", "norm", "gpt2"}, {"block", "decode"}, {"mamba", "mamba2", "mamba3", "attention"}, {"lm"}],
+    "model": [{"quant", "norm", "gpt2"}, {"block"}, {"mamba", "mamba2", "mamba3", "attention"}, {"families"},
+              {"decode"}, {"lm"}],
     "train": [{"memory", "leak", "plan", "schedule", "tensorboard_log", "record"},
               {"autotune", "distributed", "evaluate", "summary", "update", "stops"}, {"trainer"}],
     "interop": [{"hf", "hf_hybrid", "mamba2_ops", "mamba_ssm"}, {"hf_accelerate"}],
@@ -150,7 +157,8 @@ def test_the_cycle_finder_names_a_cycle():
 def test_function_level_imports_are_read():
     graph = import_graph()
     assert "train.trainer" in graph["lab.bench"]
-    assert "kernels" in graph["model.mamba"] and "kernels.autograd" in graph["kernels"]
+    assert "kernels" in graph["model.mamba"] and "kernels.selective.autograd" in graph["kernels.selective"]
+    assert "kernels" in graph["kernels.ssd"]                 # ssd_packed's function-level import
 
 
 def test_sonata_top_level_holds_only_the_entry_points():
@@ -203,3 +211,27 @@ def test_imports_run_one_way():
 @pytest.mark.parametrize("module", ["train.trainer", "train.memory", "train.distributed", "train.autotune"])
 def test_the_training_side_does_not_import_the_lab(module):
     assert not {m for m in import_graph()[module] if m.startswith("lab.")}
+
+
+def private_imports() -> list[str]:
+    """'module imports name from sonata.x' for every name starting with `_` (dunders excepted)
+    that a sonata module imports from a sonata module, anywhere in its body."""
+    bad = []
+    for name, path in sonata_modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            source = node.module or ""
+            if not (node.level or source == "sonata" or source.startswith("sonata.")):
+                continue
+            for a in node.names:
+                if a.name.startswith("_") and not (a.name.startswith("__") and a.name.endswith("__")):
+                    bad.append(f"sonata.{name} imports {a.name} from {'.' * node.level}{source}")
+    return bad
+
+
+def test_no_private_name_is_imported_across_modules():
+    """A name another module needs is public (no underscore, a docstring line): a module's
+    `_names` are its own to change."""
+    bad = private_imports()
+    assert not bad, "private names imported from another module:\n" + "\n".join(bad)

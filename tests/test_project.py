@@ -93,3 +93,19 @@ def test_ci_run_without_root_and_browser_says_so_before_apt(tmp_path):
                        env=dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", SONATA_CHROMIUM="no-such-chromium"))
     assert r.returncode == 2 and "needs root" in r.stderr, r.stderr
     assert not (tmp_path / "apt-ran").exists() and not (tmp_path / "make-ran").exists()
+
+
+def test_every_phony_make_target_has_a_recipe():
+    """A target named in .PHONY that make cannot build is a promise the Makefile breaks."""
+    text = (REPO / "Makefile").read_text()
+    phony = next(ln for ln in text.splitlines() if ln.startswith(".PHONY:")).split()[1:]
+    missing = [t for t in phony if not any(ln.startswith(f"{t}:") for ln in text.splitlines())]
+    assert not missing, f"Makefile: .PHONY names {missing} with no rule"
+
+
+def test_the_tree_is_lint_clean():
+    """`make lint`: pyflakes finds no unused import, unused local or undefined name."""
+    pytest.importorskip("pyflakes")
+    r = subprocess.run([sys.executable, "-m", "pyflakes", "sonata", "tests", "benchmarks"], cwd=REPO,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

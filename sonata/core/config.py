@@ -4,6 +4,11 @@ The command line, the notebooks and the tests use the same dotted names
 (`model.d_model=64`, `train.max_steps=20`); `apply_overrides` parses them
 against the dataclass field types and `Config.validate` checks the values, so
 a typo or a bad value is a `ConfigError` naming the key, never a silent default.
+`Config.validate` checks each key's own range and writes nothing; what the block
+families need of the model keys (model.arch and model.layers naming a family,
+Mamba-2's head layout, attention's heads, ...) is the family table's check
+(`sonata.model.families.validate`: this, then the families'), which the Trainer,
+the model builders and the importers run before anything is built or written.
 """
 from __future__ import annotations
 
@@ -18,10 +23,6 @@ PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 FLOAT32_MAX = 3.4028234663852886e38     # the largest finite float32
 INT32_MAX = 2**31 - 1                   # every integer setting fits an int32 (a size a typo made stops here)
 MAX_EMBED_STD = 1e4     # model.embed_std's ceiling: far past any init in use, and every model trains finite at it
-
-
-ARCHS = ("mamba", "lti", "mamba2", "mamba3", "attention", "gpt2", "hybrid")
-BLOCKS = ("mamba", "lti", "mamba2", "mamba3", "attention")     # what a layer of `model.layers` may be
 
 
 @dataclass
@@ -56,6 +57,16 @@ class ModelConfig:
     layers: str = ""            # a hybrid stack, one block per layer: e.g. mamba2,mamba2,attention,mamba2
                                 # (sets n_layers, and arch: the one kind, or hybrid); "": n_layers of arch
 
+    def __setattr__(self, name, value):
+        """Setting `layers` (a hybrid stack) sets what it implies: n_layers (one per entry) and arch
+        (the one family, or hybrid). Config.validate refuses a later n_layers or arch that
+        contradicts it; validation itself writes nothing."""
+        object.__setattr__(self, name, value)
+        if name == "layers" and isinstance(value, str) and value:
+            kinds = self.kinds
+            object.__setattr__(self, "n_layers", len(kinds))
+            object.__setattr__(self, "arch", kinds[0] if len(set(kinds)) == 1 else "hybrid")
+
     @property
     def d_inner(self) -> int:
         return self.expand * self.d_model
@@ -73,12 +84,8 @@ class ModelConfig:
         return self.d_inner // self.headdim if self.headdim > 0 else 0
 
     @property
-    def recurrent(self) -> bool:
-        """Every layer a recurrent state-space block with a one-token step (mamba, mamba2, mamba3)."""
-        return all(k in ("mamba", "mamba2", "mamba3") for k in self.kinds)
-
-    @property
-    def dt_rank_(self) -> int:
+    def effective_dt_rank(self) -> int:
+        """Mamba-1's dt_proj rank: model.dt_rank, or ceil(d_model / 16) when it is 0 (automatic)."""
         return self.dt_rank or math.ceil(self.d_model / 16)
 
 
@@ -119,10 +126,6 @@ class TrainConfig:
     tensorboard: bool = False   # also write every metrics row as TensorBoard scalars under the run folder
     threads: int = 0            # torch intra-op threads; 0: leave as is
     device: str = "auto"        # auto | cpu | cuda
-
-    @property
-    def accumulation(self) -> int:
-        return self.effective_batch // self.micro_batch
 
 
 @dataclass
@@ -305,46 +308,24 @@ class Config:
                 # a model's numbers become float32 tensors: 1e300 is finite here and infinite there
                 _check(section.name != "model" or not isinstance(v, float) or abs(v) <= FLOAT32_MAX,
                        f"{key} must be within float32's range (at most {FLOAT32_MAX:.4g}), not {v!r}")
-        _check(m.arch in ARCHS, f"model.arch must be one of {', '.join(ARCHS)}, not {m.arch!r}")
+        # which family each layer is, and what each family needs of the other keys, is the
+        # family table's to check (sonata.model.families.validate runs this, then its check)
+        _check(bool(m.arch), "model.arch must be set (a block family, gpt2 or hybrid)")
         if m.layers:
-            _check(m.arch != "gpt2", "model.layers builds a sonata stack; model.arch=gpt2 is transformers' GPT-2")
-            bad = [k for k in m.kinds if k not in BLOCKS]
-            _check(not bad, f"model.layers: {bad[0] if bad else ''!r} is not a block; each layer is one of "
-                            f"{', '.join(BLOCKS)} (comma-separated)")
-            m.n_layers = len(m.kinds)
-            m.arch = m.kinds[0] if len(set(m.kinds)) == 1 else "hybrid"
-        _check(m.arch != "hybrid" or m.layers, "model.arch=hybrid needs model.layers (e.g. mamba2,attention)")
+            kinds = m.kinds
+            derived = kinds[0] if len(set(kinds)) == 1 else "hybrid"
+            _check(m.n_layers == len(kinds) and m.arch == derived,
+                   f"model.n_layers={m.n_layers} / model.arch={m.arch} contradict model.layers={m.layers} "
+                   f"({len(kinds)} layers, arch {derived}): set model.layers after them, or leave them out")
         _check(0 <= m.rope_fraction <= 1, f"model.rope_fraction must be in [0, 1], not {m.rope_fraction}")
         _check(m.bounded_angle >= 0, f"model.bounded_angle must be 0 (off) or positive, not {m.bounded_angle}")
-        if "mamba2" in m.kinds or "mamba3" in m.kinds:
-            _check(m.headdim > 0 and m.d_inner % m.headdim == 0,
-                   f"model.headdim ({m.headdim}) must divide d_inner = model.expand x model.d_model ({m.d_inner})")
-            _check(m.ngroups > 0 and m.nheads % m.ngroups == 0,
-                   f"model.ngroups ({m.ngroups}) must divide the {m.nheads} heads (d_inner / headdim)")
-            _check(m.chunk_size > 0, "model.chunk_size must be positive")
-            _check(m.a_param == "log", "model.a_param=direct is the Mamba-1 ablation; mamba2 and mamba3 "
-                                       "layers keep A negative by construction (model.a_param=log)")
         _check(m.d_model > 0, "model.d_model must be positive")
         _check(math.isfinite(m.embed_std) and 0 < m.embed_std <= MAX_EMBED_STD,
                f"model.embed_std must be in (0, {MAX_EMBED_STD:g}], not {m.embed_std}")
-        _check(m.arch != "gpt2" or (m.tie_embeddings and m.embed_std == 0.02),
-               "model.tie_embeddings and model.embed_std are sonata models' (model.arch=gpt2 is transformers' GPT-2)")
-        _check("attention" not in m.kinds or (m.n_heads > 0 and m.d_model % (2 * m.n_heads) == 0),
-               f"model.n_heads ({m.n_heads}) must divide model.d_model ({m.d_model}) into heads of even "
-               f"width (rotary positions rotate pairs)"
-               + (f": the attention layers of model.layers={m.layers}" if m.layers else ""))
-        _check("mamba3" not in m.kinds or m.rope_fraction == 0 or int(m.d_state * m.rope_fraction) >= 2,
-               f"model.rope_fraction={m.rope_fraction:g} rotates no pair of the {m.d_state} state channels "
-               f"(2 x floor(d_state x fraction / 2) = 0): give at least {2 / m.d_state:g} to rotate a pair, "
-               f"or 0 to turn the rotation off")
-        _check(m.arch != "gpt2" or (m.n_heads > 0 and m.d_model % m.n_heads == 0),
-               f"model.n_heads ({m.n_heads}) must divide model.d_model ({m.d_model})")
-        _check(m.arch != "gpt2" or not self.task.name,
-               "model.arch=gpt2 is the language-model race's baseline; a task trains mamba, lti or attention")
-        _check(m.arch != "gpt2" or t.precision != "int8", "train.precision=int8 needs a sonata model, not gpt2")
-        _check(not m.a_constraint or any(k in ("mamba", "lti", "mamba2", "mamba3") for k in m.kinds),
-               f"model.a_constraint=true needs a state-space model (model.arch=mamba, lti, mamba2 or mamba3): "
-               f"model.arch={m.arch} has no A to constrain")
+        _check(m.headdim > 0, "model.headdim must be positive")
+        _check(m.ngroups > 0, "model.ngroups must be positive")
+        _check(m.chunk_size > 0, "model.chunk_size must be positive")
+        _check(m.n_heads > 0, "model.n_heads must be positive")
         _check(m.n_layers > 0, "model.n_layers must be positive")
         _check(m.d_state > 0, "model.d_state must be positive")
         _check(m.expand > 0, "model.expand must be positive")

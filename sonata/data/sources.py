@@ -33,7 +33,8 @@ def split_stories(text: str) -> list[str]:
     return [s.strip() for s in text.split(EOT) if s.strip()]
 
 
-def _read_text(path: Path, what: str = "data file") -> str:
+def read_text(path: Path, what: str = "data file") -> str:
+    """The UTF-8 text of a file; a missing or undecodable file is one error naming it as `what`."""
     try:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -117,7 +118,7 @@ def load_stories(source: str = "embedded", max_stories: int = 0) -> list[str]:
     folder laid out like the hub dataset.
     """
     if source == "embedded":
-        stories = split_stories(_read_text(EMBEDDED_CORPUS))
+        stories = split_stories(read_text(EMBEDDED_CORPUS))
     elif source == "tinystories":
         local = os.environ.get("SONATA_TINYSTORIES")
         stories = load_stories(local) if local else load_tinystories_hub()
@@ -194,7 +195,8 @@ class Source:
         return total
 
 
-def _sha256_ends(path: Path, n: int = 1 << 20) -> str:
+def sha256_ends_of(path: Path, n: int = 1 << 20) -> str:
+    """sha256 of a file's first and last `n` bytes (all of a smaller one): a cheap fingerprint of a large file."""
     h = hashlib.sha256()
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -207,7 +209,7 @@ def _sha256_ends(path: Path, n: int = 1 << 20) -> str:
 
 def _file_fingerprint(path: Path) -> dict:
     st = path.stat()
-    return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256_ends": _sha256_ends(path)}
+    return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256_ends": sha256_ends_of(path)}
 
 
 def _split_of(rel: Path) -> str:
@@ -343,7 +345,7 @@ def story_batches(src: Source, split: str):
         yield from (_txt_story_batches(p) if src.kind == "txt" else _parquet_story_batches(p))
 
 
-def _limited(batches, limit: int):
+def limited(batches, limit: int):
     """The batches of the first `limit` stories (0: all)."""
     seen = 0
     for stories, nbytes in batches:

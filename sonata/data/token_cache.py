@@ -51,7 +51,7 @@ import torch
 
 from sonata.core.errors import DataError, writable_dir
 from sonata.core.progress import Progress
-from sonata.data.sources import SPLITS, Source, _limited, _sha256_ends, resolve_source, story_batches, validation_mask
+from sonata.data.sources import SPLITS, Source, limited, sha256_ends_of, resolve_source, story_batches, validation_mask
 from sonata.data.vocab import EOT, O200K_SHA256, VOCAB_RULE_VERSION, Vocab, get_tokenizer
 
 CACHE_FORMAT = 1
@@ -190,7 +190,7 @@ def _check_cache(d: Path, key: dict, fingerprint: list, vocab: Vocab | None):
         path = d / s.get("file", "")
         if not path.is_file() or path.stat().st_size != 2 * s.get("tokens", -1):
             return None, f"{path.name} is missing, truncated or the wrong size"
-        if _sha256_ends(path) != s.get("sha256_ends"):
+        if sha256_ends_of(path) != s.get("sha256_ends"):
             return None, f"{path.name} does not match its recorded hash"
         splits[name] = PreparedSplit(path, s["stories"], s["tokens"], s["bytes"], s["coverage"],
                                      s.get("o200k_tokens", 0))
@@ -247,7 +247,7 @@ def _build(d: Path, src: Source, key: dict, fingerprint: list, data_cfg, vocab, 
     own_val = src.has_validation
     mask = None
     if not own_val:      # a first, tokenizer-free pass counts the stories to carve validation
-        n = sum(len(s) for s, _ in _limited(story_batches(src, "train"), limit))
+        n = sum(len(s) for s, _ in limited(story_batches(src, "train"), limit))
         if n < 2:
             raise DataError(f"corpus {data_cfg.source!r} has {n} stories; at least 2 are needed "
                             "(one for training, one for validation)")
@@ -265,7 +265,7 @@ def _build(d: Path, src: Source, key: dict, fingerprint: list, data_cfg, vocab, 
     try:
         for split, lim in passes:
             idx = 0
-            for stories, nbytes in _limited(story_batches(src, split), lim):
+            for stories, nbytes in limited(story_batches(src, split), lim):
                 if mask is not None:
                     sel = mask[idx:idx + len(stories)]
                     groups = {"train": [s for s, v in zip(stories, sel) if not v],
@@ -303,7 +303,7 @@ def _build(d: Path, src: Source, key: dict, fingerprint: list, data_cfg, vocab, 
             "seconds": seconds, "text_bytes": text_bytes, "validation_from": "source" if own_val else "carved",
             "splits": {name: {"file": s.path.name, "stories": s.stories, "tokens": s.tokens, "bytes": s.bytes,
                               "coverage": s.coverage, "o200k_tokens": s.o200k_tokens,
-                              "sha256_ends": _sha256_ends(s.path)}
+                              "sha256_ends": sha256_ends_of(s.path)}
                        for name, s in splits.items()}}
     tmp = d / f"meta.json.{pid}.tmp"
     tmp.write_text(json.dumps(meta) + "\n")

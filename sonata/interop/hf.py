@@ -48,13 +48,15 @@ from sonata.core import checkpoint as ckpt
 from sonata.core.config import Config, ModelConfig
 from sonata.core.errors import CheckpointError, SonataError
 from sonata.data.vocab import Vocab
+from sonata.model import families
 from sonata.model.lm import MambaLM
 
 CONFIG_FILE = "config.json"
 VOCAB_FILE = "vocab.json"
 SONATA_CONFIG_FILE = "sonata_config.json"
 WEIGHTS_FILE = "model.safetensors"
-HF_CLASSES = {"mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM"}   # model_type -> class
+# model_type -> transformers class, from the family table (a family's `hf` mapping)
+HF_CLASSES = {f.hf.model_type: f.hf.cls for f in families.FAMILIES.values() if f.hf is not None}
 
 
 def _require_safetensors():
@@ -68,14 +70,15 @@ def _require_safetensors():
 # --------------------------------------------------------------------------- export
 
 def hf_family(cfg: ModelConfig) -> str:
-    """The transformers model_type a sonata model exports as: "mamba" (every layer Mamba-1) or
-    "mamba2" (every layer Mamba-2); a SonataError, in one line, for any other stack."""
-    kinds = set(cfg.kinds)
-    if len(kinds) == 1 and next(iter(kinds)) in HF_CLASSES:
-        return next(iter(kinds))
+    """The transformers model_type a sonata model exports as (the family table's `hf` mapping:
+    "mamba" for every layer Mamba-1, "mamba2" for every layer Mamba-2); a SonataError, in one
+    line, for any other stack."""
+    mapping = families.hf_mapping(cfg)
+    if mapping is not None:
+        return mapping.model_type
+    have = ", ".join(f"{f.hf.cls} holds only {name} layers" for name, f in families.FAMILIES.items() if f.hf)
     raise SonataError(f"cannot export to transformers: model.arch={cfg.arch} ({','.join(cfg.kinds)}) has no "
-                      f"transformers class; MambaForCausalLM holds only mamba layers and Mamba2ForCausalLM "
-                      f"only mamba2 layers (no lti, attention or mixed stacks)")
+                      f"transformers class; {have} (no other families or mixed stacks)")
 
 
 def hf_config(model: MambaLM, eot_id: int = Vocab.EOT_ID) -> dict:
@@ -92,7 +95,7 @@ def hf_config(model: MambaLM, eot_id: int = Vocab.EOT_ID) -> dict:
         "expand": c.expand,
         "intermediate_size": c.d_inner,
         "conv_kernel": c.d_conv,
-        "time_step_rank": c.dt_rank_,
+        "time_step_rank": c.effective_dt_rank,
         "vocab_size": c.vocab_size,
         "layer_norm_epsilon": c.norm_eps,
         "tie_word_embeddings": c.tie_embeddings,
@@ -504,7 +507,7 @@ def config_from_hf(conf: dict, path="") -> Config:
     if m.vocab_size >= 258:
         cfg.data.vocab_size = m.vocab_size
     try:
-        return cfg.validate()
+        return families.validate(cfg)
     except SonataError as e:
         raise f.error(f"not a model sonata can build ({e})") from None
 
@@ -597,7 +600,7 @@ def train_overrides(cfg: Config) -> list[str]:
     loads an imported checkpoint (a new run otherwise builds the default model)."""
     m = cfg.model
     keys = ["arch", "d_model", "n_layers", "d_state", "expand", "d_conv", "norm_eps"]
-    keys += ["headdim", "ngroups", "chunk_size"] if m.arch == "mamba2" else ["dt_rank", "a_param"]
+    keys += list(families.family(m.arch).hf.shape_keys)
     out = [f"model.{k}={getattr(m, k)}" for k in keys] + ([] if m.tie_embeddings else ["model.tie_embeddings=false"])
     return out + ([f"data.vocab_size={m.vocab_size}"] if m.vocab_size >= 258 else [])
 

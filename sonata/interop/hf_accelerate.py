@@ -62,7 +62,6 @@ from sonata.interop.hf import config_from_hf, sonata_state_dict
 from sonata.interop.mamba_ssm import (causal_conv1d_fn, mamba_chunk_scan_combined, mamba_inner_fn,
                                       mamba_split_conv1d_scan_combined, rmsnorm_fn)
 from sonata.kernels import selective_scan
-from sonata.kernels.ssd import ssd_step
 from sonata.interop.hf_hybrid import HYBRIDS, HybridDecoder, Mamba2Step, hybrid_supported, small_step_threads
 from sonata.model.decode import Decoder
 from sonata.model.lm import MambaLM

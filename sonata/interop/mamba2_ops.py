@@ -54,7 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sonata.kernels import causal_conv_silu, rms_norm_gated
-from sonata.kernels.reference import compute_dtype
+from sonata.kernels.dispatch import compute_dtype
 from sonata.kernels.ssd import ssd, ssd_packed, ssd_recurrent_ref, ssd_step
 
 _INF = float("inf")

@@ -75,7 +75,7 @@ from sonata.interop.mamba2_ops import (
     selective_state_update_heads_ref,
 )
 from sonata.kernels import causal_conv_silu, conv_silu, rms_norm, selective_scan
-from sonata.kernels.reference import compute_dtype
+from sonata.kernels.dispatch import compute_dtype
 
 _ACTIVATIONS = (None, "silu", "swish")
 

@@ -1,9 +1,12 @@
-"""The fused CPU kernels' shared pieces: lane widths, compile flags, vectorizable float32 exp,
-softplus and sigmoid, and the work queue. Every family (`cpu_scan`, `cpu_conv`, `cpu_norm`,
-`cpu_loss`) compiles with these; `sonata.kernels.cpu` is the torch glue in front of them.
+"""sonata/kernels/cpu_simd.py: the fused CPU kernels' shared pieces (shared numba
+infrastructure, at the top of sonata/kernels beside numba_cache.py and cpu_arrays.py): lane
+widths, compile flags (JIT_FLAGS, VEC_FLAGS, INLINE_FLAGS), vectorizable float32 exp, softplus
+and sigmoid (fast_exp, fast_softplus, fast_sigmoid), the work queue (take_item) and LLVM vector
+codegen (VectorIR). Every family's numba kernels (selective/, layers/, ssd/) compile with these;
+each family's cpu.py is the torch glue in front of its kernels.
 
 Work distribution. Each parallel pass runs one `prange` iteration per thread, and
-the threads take work items from a shared atomic counter (`_take`) until none are
+the threads take work items from a shared atomic counter (`take_item`) until none are
 left, instead of getting a fixed share each: on a machine where another process
 holds one of the cores, the thread that runs does the work instead of the pass
 waiting for the share of the thread that does not. Which thread computes an item
@@ -15,7 +18,7 @@ for float64 inputs, so `torch.autograd.gradcheck` runs through the fused backwar
 In float32, exp and softplus are vectorizable polynomial versions (< 1 ulp, see
 below) instead of libm calls. The kernels are compiled for both dtypes (lazily,
 on first use) and cached on disk (`cache=True`, NUMBA_CACHE_DIR is honoured), the cache
-keyed by every source of this folder (`numba_cache`: an edit here reaches decode_cpu's kernels).
+keyed by every source of this folder (`numba_cache`: an edit here reaches selective/decode_cpu.py's kernels).
 """
 from __future__ import annotations
 
@@ -78,16 +81,16 @@ WC = 16
 
 # error_model="numpy": float division by zero gives inf/nan instead of a Python
 # exception, whose check would also block vectorization.
-_jit = dict(cache=LANES_OVERRIDE == "", nogil=True, error_model="numpy")
+JIT_FLAGS = dict(cache=LANES_OVERRIDE == "", nogil=True, error_model="numpy")
 # The kernels' loops over the W lanes may reassociate their sums (the lane reductions
 # of dB, dC) and fuse multiply-adds, so that they vectorize (AVX2 / AVX-512). The order
 # is fixed at compile time: results stay bit-identical from call to call. No 'nnan'/'ninf':
 # NaNs and infinities propagate as in the reference.
-_vec = dict(_jit, fastmath={"reassoc", "contract"})
+VEC_FLAGS = dict(JIT_FLAGS, fastmath={"reassoc", "contract"})
 # Helpers are inlined into the kernels by numba (a call per time step would pass
 # every array argument's fields on the stack, and block vectorization); they then
 # compile with the kernel's fastmath flags.
-_inline = dict(inline="always")
+INLINE_FLAGS = dict(inline="always")
 
 
 # Kernels that split their work over numba's thread pool (`prange` over n_workers) are
@@ -157,7 +160,7 @@ def workers() -> int:
 # overflows to inf as in libm; NaN stays NaN. float64 uses math.exp.
 # The clamps let NaN through (comparisons with NaN are false) and keep k in [-125, 128],
 # so 2 * 2**(k-1) is one scaling for every k: no branch on the sign of k and no select for
-# inf or NaN in the vector code (tests/kernels/test_kernels_cpu.py checks it against float64 exp).
+# inf or NaN in the vector code (tests/kernels/test_cpu_simd.py checks it against float64 exp).
 _F = np.float32
 _LOG2E, _LN2_HI, _LN2_LO = _F(1.44269504088896341), _F(0.693359375), _F(-2.12194440e-4)
 _P0, _P1, _P2 = _F(1.9875691500e-4), _F(1.3981999507e-3), _F(8.3334519073e-3)
@@ -182,8 +185,8 @@ def _pow2_f32(typingctx, k):
 # Its own fastmath flags, stated: a callee without them inherits its caller's, and in the
 # kernels' 'reassoc' LLVM rewrote (e_r + e_r) * 2**(k-1) as e_r * 2**k, which overflows to inf
 # for 88.37 < x <= 88.72. 'contract' (fused multiply-adds) only; inlined by LLVM with these.
-@njit(**dict(_jit, fastmath={"contract"}))
-def _exp_f32(x):
+@njit(**dict(JIT_FLAGS, fastmath={"contract"}))
+def fast_exp_f32(x):
     xc = _EXP_LO if x < _EXP_LO else x            # NaN passes both clamps
     xc = _EXP_HI if xc > _EXP_HI else xc
     k = np.floor(xc * _LOG2E + _HALF)             # in [-125, 128]
@@ -194,21 +197,21 @@ def _exp_f32(x):
     return _ZERO if x < _EXP_LO else res
 
 
-def _exp(x):
+def fast_exp(x):
     return math.exp(x)
 
 
-@overload(_exp, **_inline)
+@overload(fast_exp, **INLINE_FLAGS)
 def _exp_overload(x):
     if x == types.float32:
-        return lambda x: _exp_f32(x)
+        return lambda x: fast_exp_f32(x)
     return lambda x: math.exp(x)
 
 
 # --------------------------------------------------------------------------- work queue
 
 @intrinsic
-def _take(typingctx, counter):
+def take_item(typingctx, counter):
     """Atomically counter[0] += 1, returning the old value: the next work item to take.
     counter is a 1-d int64 array. Only hands out work items: no result depends on it."""
     if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
@@ -234,9 +237,9 @@ _Q15, _Q13, _Q11, _Q9 = _F(1 / 15), _F(1 / 13), _F(1 / 11), _F(1 / 9)
 _Q7, _Q5, _Q3 = _F(1 / 7), _F(1 / 5), _F(1 / 3)
 
 
-@njit(**_inline)
-def _softplus_f32(x):
-    w = _exp_f32(-abs(x))
+@njit(**INLINE_FLAGS)
+def fast_softplus_f32(x):
+    w = fast_exp_f32(-abs(x))
     s = w / (_TWO + w)
     s2 = s * s
     p = ((((((_Q15 * s2 + _Q13) * s2 + _Q11) * s2 + _Q9) * s2 + _Q7) * s2 + _Q5) * s2
@@ -245,21 +248,21 @@ def _softplus_f32(x):
     return x if (x > _TWENTY or x != x) else res
 
 
-def _softplus(x):
+def fast_softplus(x):
     return x if x > 20 else math.log1p(math.exp(x))
 
 
-@overload(_softplus, **_inline)
+@overload(fast_softplus, **INLINE_FLAGS)
 def _softplus_overload(x):
     if x == types.float32:
-        return lambda x: _softplus_f32(x)
+        return lambda x: fast_softplus_f32(x)
     return lambda x: x if x > 20 else math.log1p(math.exp(x))
 
 
-@njit(**_inline)
-def _sigmoid(x, one):
+@njit(**INLINE_FLAGS)
+def fast_sigmoid(x, one):
     # `one` is 1 in x's dtype: a bare literal would promote float32 arithmetic to float64
-    return one / (one + _exp(-x))
+    return one / (one + fast_exp(-x))
 
 
 # --------------------------------------------------------------------------- explicit vectors

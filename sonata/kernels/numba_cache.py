@@ -1,8 +1,9 @@
-"""numba's on-disk cache for sonata's kernels, keyed by all of their sources.
+"""sonata/kernels/numba_cache.py: numba's on-disk cache for sonata's kernels, keyed by all of
+their sources (shared numba infrastructure, at the top of sonata/kernels).
 
 numba keys a cached kernel by the hash of the one file that defines it. A kernel's compiled
-code also holds the helpers it calls from other files (`decode_cpu.step` embeds
-`cpu_simd._exp_f32`, the compile flags and lane width come from `cpu_simd.py`, the SSD
+code also holds the helpers it calls from other files (`selective/decode_cpu.step` embeds
+`cpu_simd.fast_exp_f32`, the compile flags and lane width come from `cpu_simd.py`, the SSD
 recurrence's kernels embed `ssd/cpu_steps.py`'s vector steps): edit such a helper and a warm
 cache keeps running the old one. `install()` puts a locator in front of numba's own for the
 files of this folder and its subfolders only: it caches where numba would (NUMBA_CACHE_DIR, else

@@ -31,14 +31,6 @@ def _draw_loss(ax, history: list[dict], title: str) -> None:
     ax.legend()
 
 
-def loss_curve(history: list[dict], title: str = "training loss"):
-    """Per-step training loss (light), its moving average, and validation loss (dots)."""
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    _draw_loss(ax, history, title)
-    fig.tight_layout()
-    return fig
-
-
 class LiveLossCurve:
     """The loss curve of a run in progress, for `Trainer.run(on_step=live)`.
 

@@ -43,17 +43,14 @@ BASE = {"model.backend": "auto", "model.headdim": 16, "train.lr": 3e-3, "train.w
         "train.effective_batch": 32, "train.micro_batch": 32, "train.grad_clip": 1.0, "train.eval_every": 0,
         "train.checkpoint_every_s": 0.0, "task.eval_seqs": 128}
 
-# MQAR's recipe on top of BASE, the same for every model. Measured at length 64, 16 pairs, width
-# 64, vocabulary 256 (issue 40's probes, one thread, 3,000 steps): attention stayed at 1/16
-# (answering with some value of its context) for 20,000 steps on 16 pairs alone, with any head
-# count, width or rate tried. Two things move it, and it needs both: (1) training batches with
-# fewer pairs mixed in (task.mix_pairs: D, D/2, D/4, D/8; Zoology trains on mixed pair counts
-# too): the lookup forms where it is easy and carries to 16; (2) unit-variance token embeddings
-# with an untied head: at mamba_ssm's 0.02 the embedding is swamped in the residual stream by
-# the first block's output, and the second layer cannot read which key its position holds
-# (a plain PyTorch transformer from torch.nn, learned positions and an untied head, fails the
-# same way with its embedding at 0.02 or tied, and solves the task with both). With both:
-# attention 99.6% at 3,000 steps; the mix alone lifted Mamba-2 N=16 from 25% to 88%.
+# MQAR's recipe on top of BASE, the same for every model. Without it (16 pairs alone, mamba_ssm's
+# 0.02 embedding tied to the head: `mqar_ablation`, the last row of notebook 10's MQAR table)
+# attention stays at 1/16, answering with some value of its context; with it, 99.6% (the same
+# table). It has two parts: (1) training batches with fewer pairs mixed in (task.mix_pairs: D,
+# D/2, D/4, D/8; Zoology trains on mixed pair counts too): the lookup forms where it is easy and
+# carries to 16; (2) unit-variance token embeddings with an untied head: at mamba_ssm's 0.02 the
+# embedding is swamped in the residual stream by the first block's output, and the second layer
+# cannot read which key its position holds.
 MQAR_RECIPE = {"task.mix_pairs": True, "model.tie_embeddings": False, "model.embed_std": 1.0}
 
 # The Mamba-2 paper's figure 8 (MQAR, T 256..1,024, vocabulary 8,192, 2 layers), as read from it:
@@ -82,9 +79,8 @@ def recall_overrides(model: str, d_state: int, steps: int, cap_s: float = 0.0, l
 
 
 # State tracking's curriculum: TRACK_STAGE_STEPS steps at each of 1/8, 1/4 and 1/2 of the
-# trained length, then the trained length to the end. Measured (parity, Mamba-3, length 64, lr
-# 3e-3): trained at 64 from the start, 600 steps left it at chance; on this curriculum the
-# loss fell near 0 between steps 1,400 and 1,500 (sonata/lab/recall.py's probes, issue 40).
+# trained length, then the trained length to the end: the rule is learned where it is easy, then
+# carried to the trained length (notebook 10's state-tracking runs train on it).
 TRACK_STAGE_STEPS = 300
 
 

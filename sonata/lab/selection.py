@@ -52,7 +52,7 @@ BASE = {"model.d_model": 64, "model.n_layers": 2, "model.d_state": 16, "model.ba
 
 # Step sizes at initialization. Mamba's default draws delta in [1e-3, 0.1]: every channel
 # forgets within ~10-1000 steps, and at length 64 the model learns to keep the answer only
-# as long as training asks (the issue's probe: chance by 2^14). Drawn in [1e-9, 1e-4], most
+# as long as training asks (chance by 2^14). Drawn in [1e-9, 1e-4], most
 # channels start as near-perfect memories (exp(delta * A) rounds to 1 in float32 below
 # about 3e-8), and what training must learn is where to write (notebook 08 measures both).
 SMALL_DT = {"model.dt_min": 1e-9, "model.dt_max": 1e-4, "model.dt_init_floor": 1e-10}
@@ -257,7 +257,7 @@ def _write_strength(model, idx) -> list[torch.Tensor]:
                 mix, L = layer.mixer, idx.shape[1]
                 x, _ = mix.in_proj(layer.norm(h)).transpose(1, 2).chunk(2, dim=1)
                 u = F.silu(mix.conv1d(x)[..., :L])                             # (b, di, L)
-                dt, B, _ = mix._ssm_inputs(u.transpose(1, 2))
+                dt, B, _ = mix.ssm_inputs(u.transpose(1, 2))
                 delta = F.softplus(dt + mix.delta_bias[:, None])
                 out.append(delta * u.abs() * B.norm(dim=1, keepdim=True))
             h = layer(h)

@@ -25,6 +25,14 @@ def rotary(x, t0: int):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+def check(cfg: ModelConfig) -> list[str]:
+    """The family's errors (sonata.model.families): heads of even width. Writes nothing."""
+    if cfg.n_heads > 0 and cfg.d_model % (2 * cfg.n_heads) == 0:
+        return []
+    return [f"model.n_heads ({cfg.n_heads}) must divide model.d_model ({cfg.d_model}) into heads of even "
+            f"width (rotary positions rotate pairs)"]
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with rotary positions. Its state is the keys and
     values so far ((b, heads, T, hd) each): a chunk attends to them and to itself."""
@@ -61,6 +69,10 @@ class AttentionBlock(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.norm2 = RMSNorm(d, cfg.norm_eps, backend=cfg.backend)
         self.mlp = nn.Sequential(QLinear(d, 4 * d, bias=False), nn.GELU(), QLinear(4 * d, d, bias=False))
+
+    def residual_outputs(self) -> list[nn.Module]:
+        """The projections that write into the residual stream: attention's and the MLP's last."""
+        return [self.attn.out_proj, self.mlp[2]]
 
     def forward(self, h, state=None, return_state: bool = False):
         if state is None and not return_state:

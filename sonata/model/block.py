@@ -36,6 +36,11 @@ class PreNormBlock(nn.Module):
         y, state = self.mixer(self.norm(h), state, return_state=True)
         return h + y, state
 
+    def residual_outputs(self) -> list[nn.Module]:
+        """The projections that write into the residual stream (MambaLM scales their initial
+        weights by 1/sqrt(n_layers)): the mixer's out_proj."""
+        return [self.mixer.out_proj]
+
     def step(self, h, state):
         y, state = self.mixer.step(self.norm(h), state)
         return h + y, state

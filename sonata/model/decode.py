@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from sonata.model import families
+from sonata.model.mamba import MambaBlock
 from sonata.model.quant import fake_quant_int8
 
 
@@ -50,11 +52,11 @@ ONE_THREAD_MACS = 2**20
 class _LayerWeights:
     """One layer's tensors as the decode step reads them (views of the parameters, made once)."""
 
-    def __init__(self, layer: "MambaBlock", conv: torch.Tensor, ssm: torch.Tensor):
+    def __init__(self, layer: MambaBlock, conv: torch.Tensor, ssm: torch.Tensor):
         m, c = layer.mixer, layer.mixer.cfg
         w = _decode_weight
         p = m.in_proj.weight
-        di, k = c.d_inner, c.d_conv
+        k = c.d_conv
         self.norm_w, self.norm_eps = layer.norm.weight, layer.norm.eps
         self.in_wt = w(m.in_proj).t()                                   # (d, 2di)
         cw = m.conv1d.weight[:, 0, :]                                   # (di, k)
@@ -81,7 +83,7 @@ class _Decoder:
 
     fused = False
 
-    def __init__(self, model: "MambaLM", batch: int):
+    def __init__(self, model: nn.Module, batch: int):
         c = model.cfg
         p = model.embedding.weight
         b, di, n, k = batch, c.d_inner, c.d_state, c.d_conv
@@ -95,7 +97,7 @@ class _Decoder:
         self.one_thread = (not self.fused and p.device.type == "cpu"
                            and b * c.d_model * 2 * di < ONE_THREAD_MACS)
         self._inside = False
-        if not all(k == "mamba" for k in c.kinds):
+        if not families.fused_decode(c):
             return                                                      # StateDecoder: the layers' own states
         with torch.inference_mode():
             # every layer's states in one tensor each, so the fused step takes them in one argument
@@ -140,15 +142,15 @@ class _Decoder:
 
 
 class FusedDecoder(_Decoder):
-    """The step as one fused numba call (`sonata.kernels.decode_cpu.step`) on float32 numpy
+    """The step as one fused numba call (`sonata.kernels.selective.decode_cpu.step`) on float32 numpy
     copies of the weights, made once here (transposed and stacked over the layers), and views
     of the state and logits tensors (shared memory: `prefill` writes what the kernel reads)."""
 
     fused = True
 
-    def __init__(self, model: "MambaLM", batch: int):
+    def __init__(self, model: nn.Module, batch: int):
         super().__init__(model, batch)
-        from sonata.kernels import decode_cpu                          # ImportError without numba
+        from sonata.kernels.selective import decode_cpu                # ImportError without numba
 
         def arr(ts):   # stacked float32 copies, by numpy: no torch thread pool to wake per copy
             return np.ascontiguousarray(np.stack([t.detach().numpy() for t in ts]))
@@ -187,11 +189,11 @@ class TorchDecoder(_Decoder):
     views made once (no slicing, no new state tensors per token); the convolution window is a
     ring buffer read with the taps rotated to its write position. Any device, dtype, int8."""
 
-    def __init__(self, model: "MambaLM", batch: int):
+    def __init__(self, model: nn.Module, batch: int):
         super().__init__(model, batch)
         c = model.cfg
         p = model.embedding.weight
-        b, d, di, n, r, k = batch, c.d_model, c.d_inner, c.d_state, c.dt_rank_, c.d_conv
+        b, d, di, n, r, k = batch, c.d_model, c.d_inner, c.d_state, c.effective_dt_rank, c.d_conv
         with torch.inference_mode():
             self.layers = [_LayerWeights(layer, self.conv_state[i], self.ssm_state[i])
                            for i, layer in enumerate(model.layers)]
@@ -264,12 +266,12 @@ class StateDecoder(_Decoder):
         return logits
 
 
-def Decoder(model: "MambaLM", batch: int, fused: bool | None = None) -> _Decoder:    # noqa: N802
+def Decoder(model: nn.Module, batch: int, fused: bool | None = None) -> _Decoder:    # noqa: N802
     """The decoder for `model` at `batch` sequences, its engine picked here: fused=None, the
     fused step whenever it can run (a float32 model on the CPU, no int8, numba installed);
     True, required (a ValueError where it cannot); False, the torch step."""
     p = model.embedding.weight
-    if not all(k == "mamba" for k in model.cfg.kinds):
+    if not families.fused_decode(model.cfg):
         if fused:
             raise ValueError("the fused decode step is Mamba-1's; a model with mamba2 layers steps its layers")
         return StateDecoder(model, batch)
@@ -287,7 +289,7 @@ def Decoder(model: "MambaLM", batch: int, fused: bool | None = None) -> _Decoder
 
 
 @torch.inference_mode()
-def generate(model: "MambaLM", prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+def generate(model: nn.Module, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              generator: torch.Generator | None = None, stop_token=None, pad: int | None = None) -> torch.Tensor:
     """Sampling (greedy at temperature <= 0): prompt (b, T) int64 -> (b, T + new) ids; stops
     early once every row has produced a stop token (`stop_token`: an id or a list of ids).
@@ -323,7 +325,7 @@ def generate(model: "MambaLM", prompt, max_new_tokens: int, temperature: float =
 
 
 @torch.no_grad()
-def generate_reference(model: "MambaLM", prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+def generate_reference(model: nn.Module, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
                        generator: torch.Generator | None = None, stop_token: int | None = None) -> torch.Tensor:
     """`generate` written plainly: the prompt fed token by token through `model.step`, new
     state tensors every step. The oracle for `generate` and the decoders."""

@@ -4,6 +4,18 @@ from __future__ import annotations
 import torch
 
 
+def check(cfg) -> list[str]:
+    """model.arch=gpt2's errors (sonata.model.families): heads that divide the width, and none
+    of the sonata-only embedding settings. Writes nothing."""
+    errors = []
+    if not (cfg.n_heads > 0 and cfg.d_model % cfg.n_heads == 0):
+        errors.append(f"model.n_heads ({cfg.n_heads}) must divide model.d_model ({cfg.d_model})")
+    if not (cfg.tie_embeddings and cfg.embed_std == 0.02):
+        errors.append("model.tie_embeddings and model.embed_std are sonata models' (model.arch=gpt2 is "
+                      "transformers' GPT-2)")
+    return errors
+
+
 class GPT2LM(torch.nn.Module):
     """transformers' GPT2LMHeadModel as a sonata language model (`model.arch=gpt2`): the
     baseline of the ten-minute race (benchmarks/race.py), trained by sonata's own trainer on the

@@ -16,7 +16,9 @@ mamba2,mamba2,attention,mamba2):
   (`torch.nn.functional.scaled_dot_product_attention`) and a GELU MLP, the same width.
 
 Blocks live one family per file: `sonata.model.mamba` (mamba, lti), `sonata.model.mamba2`,
-`sonata.model.attention` (what they share: `sonata.model.block`);
+`sonata.model.mamba3`, `sonata.model.attention` (what they share: `sonata.model.block`), and
+`sonata.model.families` is the table that names them: each family's block, config check,
+decoding and transformers counterpart (MambaLM builds its layers from it);
 `sonata.model.gpt2` is the race's GPT-2 (`build_model`). Every block's forward can take and return its recurrent state (the
 convolution window and the scan's state; attention: its keys and values so far), so a long
 sequence runs chunk by chunk and gives what one pass gives: `logits, state = model(ids,
@@ -34,11 +36,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sonata.core.config import Config, ModelConfig
-from sonata.model import decode
-from sonata.model.attention import AttentionBlock
-from sonata.model.mamba import MambaBlock
-from sonata.model.mamba2 import Mamba2Block
-from sonata.model.mamba3 import Mamba3Block
+from sonata.model import decode, families
+from sonata.model.mamba import MambaMixer
 from sonata.model.norm import RMSNorm
 from sonata.model.quant import QLinear
 
@@ -48,9 +47,10 @@ class MambaLM(nn.Module):
         super().__init__()
         if cfg.vocab_size <= 0:
             raise ValueError("ModelConfig.vocab_size must be set (from the vocabulary) before building")
+        families.validate_model(cfg)
         self.cfg = cfg
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(make_block(cfg, kind) for kind in cfg.kinds)
+        self.layers = nn.ModuleList(families.build_block(cfg, kind) for kind in cfg.kinds)
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps, backend=cfg.backend)
         self.lm_head = QLinear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -61,9 +61,7 @@ class MambaLM(nn.Module):
         nn.init.normal_(self.embedding.weight, std=self.cfg.embed_std)
         for layer in self.layers:
             # GPT-2 style rescale of the residual output projections by 1/sqrt(n_layers)
-            outs = ([layer.attn.out_proj, layer.mlp[2]] if isinstance(layer, AttentionBlock)
-                    else [layer.mixer.out_proj])
-            for out in outs:
+            for out in layer.residual_outputs():
                 nn.init.kaiming_uniform_(out.weight, a=math.sqrt(5))
                 with torch.no_grad():
                     out.weight /= math.sqrt(self.cfg.n_layers)
@@ -93,8 +91,9 @@ class MambaLM(nn.Module):
         return self.norm_f(h), new
 
     def _need_mamba(self, what: str) -> None:
-        if not self.cfg.recurrent:
-            raise ValueError(f"{what} needs a recurrent model (every layer mamba or mamba2; this model "
+        if not families.recurrent(self.cfg):
+            steppers = ", ".join(k for k, f in families.FAMILIES.items() if f.steps)
+            raise ValueError(f"{what} needs a recurrent model (every layer one of {steppers}; this model "
                              f"is {self.cfg.arch!r}: {','.join(self.cfg.kinds)})")
 
     @torch.no_grad()
@@ -140,21 +139,11 @@ class MambaLM(nn.Module):
         return decode.generate_reference(self, prompt, max_new_tokens, temperature, top_k, generator, stop_token)
 
 
-def make_block(cfg: ModelConfig, kind: str) -> nn.Module:
-    """One layer of block family `kind` (mamba, lti, mamba2, mamba3, attention)."""
-    if kind == "attention":
-        return AttentionBlock(cfg)
-    if kind == "mamba2":
-        return Mamba2Block(cfg)
-    if kind == "mamba3":
-        return Mamba3Block(cfg)
-    return MambaBlock(cfg, kind)
-
-
 def build_model(cfg: Config) -> nn.Module:
     """The model of a configuration (model.vocab_size set): a MambaLM (mamba, lti, attention
     blocks), or for model.arch=gpt2 transformers' GPT-2 (`sonata.model.gpt2.GPT2LM`, context
     data.seq_len), the race's baseline."""
+    families.validate(cfg)
     if cfg.model.arch == "gpt2":
         from sonata.model.gpt2 import GPT2LM
         return GPT2LM(cfg.model, cfg.data.seq_len)
@@ -185,11 +174,11 @@ def deltas(model: MambaLM, idx) -> list[torch.Tensor]:
     selection is: large delta writes the input into the state, tiny delta keeps it."""
     h, out = model.embedding(idx), []
     for layer in model.layers:
-        if isinstance(layer, MambaBlock):
+        if isinstance(getattr(layer, "mixer", None), MambaMixer):      # mamba and lti layers
             mix, L = layer.mixer, idx.shape[1]
             x, _ = mix.in_proj(layer.norm(h)).transpose(1, 2).chunk(2, dim=1)
             x = F.silu(mix.conv1d(x)[..., :L])
-            delta, _, _ = mix._ssm_inputs(x.transpose(1, 2))
+            delta, _, _ = mix.ssm_inputs(x.transpose(1, 2))
             out.append(F.softplus(delta + mix.delta_bias[:, None]))  # (b, di, L)
         h = layer(h)
     return out
@@ -200,7 +189,7 @@ def max_decay(model: MambaLM, idx) -> float:
     """Largest exp(delta*A) over all layers, channels and positions of `model` for input idx:
     below 1 the recurrence is contracting; above 1 the state can blow up (notebook 05)."""
     worst = 0.0
-    mixers = [layer.mixer for layer in model.layers if isinstance(layer, MambaBlock)]
+    mixers = [layer.mixer for layer in model.layers if isinstance(getattr(layer, "mixer", None), MambaMixer)]
     for mix, dt in zip(mixers, deltas(model, idx)):
         A = mix.A                                                  # (di, n)
         # exp(dt*A) is largest at the largest dt where A > 0 and the smallest where A < 0

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from sonata.core.config import ModelConfig
 from sonata.kernels import conv_silu, selective_scan
-from sonata.kernels.reference import project_delta, step as scan_step
+from sonata.kernels.selective.reference import project_delta, step as scan_step
 from sonata.model.block import PreNormBlock, dt_bias_init
 from sonata.model.quant import QLinear
 
@@ -46,12 +46,12 @@ class MambaMixer(nn.Module):
         self._init_dt(cfg)      # last: the random draws keep the order of earlier versions
 
     def _init_selection(self, cfg: ModelConfig) -> None:
-        r, n = cfg.dt_rank_, cfg.d_state
+        r, n = cfg.effective_dt_rank, cfg.d_state
         self.x_proj = QLinear(cfg.d_inner, r + 2 * n, bias=False)
         self.dt_proj = QLinear(r, cfg.d_inner, bias=True)
 
     def _init_dt(self, cfg: ModelConfig) -> None:
-        r = cfg.dt_rank_
+        r = cfg.effective_dt_rank
         nn.init.uniform_(self.dt_proj.weight, -r ** -0.5, r ** -0.5)
         with torch.no_grad():
             self.dt_proj.bias.copy_(dt_bias_init(cfg))
@@ -74,19 +74,19 @@ class MambaMixer(nn.Module):
         else:
             self.A_log.clamp_(min=math.log(a_min))
 
-    def _x_proj(self, x):
+    def _dt_B_C(self, x):
         """x (b, L, di) after conv+SiLU -> dt (b, L, r), B, C (b, L, n): views of x_proj's output."""
-        r, n = self.cfg.dt_rank_, self.cfg.d_state
+        r, n = self.cfg.effective_dt_rank, self.cfg.d_state
         return self.x_proj(x).split([r, n, n], dim=-1)
 
     def _selection(self, x):
         """x (b, L, di) after conv+SiLU -> (delta, B, C, delta_proj) as `selective_scan` takes
         them: delta is dt_proj's (b, L, r) input and delta_proj its weight (the scan projects);
         B, C (b, n, L) transposed views."""
-        dt, B, C = self._x_proj(x)
+        dt, B, C = self._dt_B_C(x)
         return dt, B.transpose(1, 2), C.transpose(1, 2), self.dt_proj.weight
 
-    def _ssm_inputs(self, x):
+    def ssm_inputs(self, x):
         """x (b, L, di) after conv+SiLU -> delta (b, di, L) before bias and softplus, B, C (b, n, L)."""
         delta, B, C, proj = self._selection(x)
         return (delta if proj is None else project_delta(delta, proj)), B, C
@@ -137,7 +137,7 @@ class MambaMixer(nn.Module):
         x, z = self.in_proj(h).chunk(2, dim=-1)                         # (b, di)
         conv_state = torch.cat([conv_state[..., 1:], x.unsqueeze(-1)], dim=-1)
         x = F.silu((conv_state * self.conv1d.weight.squeeze(1)).sum(-1) + self.conv1d.bias)
-        delta, B, C = self._ssm_inputs(x.unsqueeze(1))                  # (b, di, 1), (b, n, 1)
+        delta, B, C = self.ssm_inputs(x.unsqueeze(1))                  # (b, di, 1), (b, n, 1)
         y, ssm_state = scan_step(ssm_state, x, delta[..., 0], self.A, B[..., 0], C[..., 0],
                                  self.D, z=z, delta_bias=self.delta_bias, delta_softplus=True)
         return self.out_proj(y), (conv_state, ssm_state)
@@ -180,7 +180,20 @@ class LTIMixer(MambaMixer):
 
 
 class MambaBlock(PreNormBlock):
-    """Pre-norm residual block: h + mixer(norm(h)); the mixer is Mamba's or the time-invariant one."""
+    """Pre-norm residual block around the selective layer: h + MambaMixer(norm(h))."""
 
-    def __init__(self, cfg: ModelConfig, kind: str = ""):
-        super().__init__(cfg, (LTIMixer if (kind or cfg.arch) == "lti" else MambaMixer)(cfg))
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, MambaMixer(cfg))
+
+
+class LTIBlock(PreNormBlock):
+    """Pre-norm residual block around the time-invariant layer: h + LTIMixer(norm(h))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, LTIMixer(cfg))
+
+
+def check(cfg: ModelConfig) -> list[str]:
+    """The family's own errors (sonata.model.families): none beyond each key's range, which
+    Config.validate checks (dt_rank, a_param log or direct)."""
+    return []

@@ -152,6 +152,23 @@ class Mamba2Mixer(nn.Module):
         return self._forward_with_state(u, None)
 
 
+def check(cfg: ModelConfig) -> list[str]:
+    """The SSD head layout's errors (sonata.model.families; Mamba-3 shares it): headdim divides
+    d_inner, ngroups divides the heads, and A is negative by construction. Writes nothing."""
+    errors = []
+    if cfg.headdim <= 0 or cfg.d_inner % cfg.headdim:
+        errors.append(f"model.headdim ({cfg.headdim}) must divide d_inner = model.expand x model.d_model "
+                      f"({cfg.d_inner})")
+    elif cfg.ngroups <= 0 or cfg.nheads % cfg.ngroups:
+        errors.append(f"model.ngroups ({cfg.ngroups}) must divide the {cfg.nheads} heads (d_inner / headdim)")
+    if cfg.chunk_size <= 0:
+        errors.append("model.chunk_size must be positive")
+    if cfg.a_param != "log":
+        errors.append("model.a_param=direct is the Mamba-1 ablation; mamba2 and mamba3 layers keep A "
+                      "negative by construction (model.a_param=log)")
+    return errors
+
+
 class Mamba2Block(PreNormBlock):
     """Pre-norm residual block around the SSD layer: h + Mamba2Mixer(norm(h))."""
 

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from sonata.core.config import ModelConfig
 from sonata.kernels.ssd import ssd
+from sonata.model import mamba2
 from sonata.model.block import PreNormBlock, dt_bias_init
 from sonata.model.norm import GatedRMSNorm
 from sonata.model.quant import QLinear
@@ -213,6 +214,17 @@ class Mamba3Mixer(nn.Module):
         return self.forward(u, None, return_state=True)
 
 
+def check(cfg: ModelConfig) -> list[str]:
+    """The family's errors (sonata.model.families): the SSD head layout (Mamba-2's check) and a
+    rotation that turns at least one pair of state channels. Writes nothing."""
+    errors = mamba2.check(cfg)
+    if cfg.rope_fraction != 0 and rotated_dims(cfg) < 2:
+        errors.append(f"model.rope_fraction={cfg.rope_fraction:g} rotates no pair of the {cfg.d_state} state "
+                      f"channels (2 x floor(d_state x fraction / 2) = 0): give at least {2 / cfg.d_state:g} to "
+                      f"rotate a pair, or 0 to turn the rotation off")
+    return errors
+
+
 class Mamba3Block(PreNormBlock):
     """Pre-norm residual block around the Mamba-3 layer."""
 
@@ -220,4 +232,4 @@ class Mamba3Block(PreNormBlock):
         super().__init__(cfg, Mamba3Mixer(cfg))
 
 
-__all__ = ["Mamba3Block", "Mamba3Mixer", "recurrence_ref", "rotate", "rotated_dims"]
+__all__ = ["Mamba3Block", "Mamba3Mixer", "check", "recurrence_ref", "rotate", "rotated_dims"]

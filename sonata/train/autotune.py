@@ -18,12 +18,13 @@ the effective batch (so micro x accumulation equals it exactly). The choice is
 the fastest eligible candidate. Candidates above the cap are still measured, so
 the table shows what the cap costs.
 
-Profiling does not change the training run: the trainer's state (model,
+Profiling does not change the training run: the training state (model,
 optimizer, scaler, sampler, step counters, every RNG) is saved before and
-restored after (`Trainer.state_dict` / `load_state_dict`), and each candidate
-runs as its own `Plan`, so neither the trainer's plan nor the config changes.
+restored after (the `state_dict` / `load_state_dict` callables: the Trainer's),
+and each candidate runs as its own `Plan` (through the `step` callable: the
+Trainer's `train_step`), so neither the run's plan nor the config changes.
 Training with the returned plan is bit-identical to training with the chosen
-micro-batch fixed (tests/train/test_memory.py checks it).
+micro-batch fixed (tests/train/test_autotune.py checks it).
 """
 from __future__ import annotations
 
@@ -88,20 +89,20 @@ class AutotuneResult:
         return out
 
 
-def autotune(trainer, base: Plan | None = None, warmup: int = WARMUP_STEPS,
-             steps: int = MEASURED_STEPS, progress=None) -> AutotuneResult:
-    """Measure the profile's candidates on `trainer` for the batch of `base` (default:
-    the trainer's plan; one process's plan: see Plan.alone) and return the table and
-    the choice (`AutotuneResult.plan(base)` is the plan to train with). The trainer's
-    state is left exactly as it was."""
-    prof = trainer.profile
-    base = base or trainer.plan
+def autotune(step, state_dict, load_state_dict, *, profile, plan: Plan, device: torch.device, seq_len: int,
+             warmup: int = WARMUP_STEPS, steps: int = MEASURED_STEPS, progress=None) -> AutotuneResult:
+    """Measure `profile`'s candidates for the batch of `plan` (one process's plan: see
+    Plan.alone) and return the table and the choice (`choose_plan` makes it a plan).
+    `step(plan)`: one optimizer step under a candidate's plan -> its metrics row (its
+    `step_s`); `state_dict()` / `load_state_dict(state)`: the training state, left exactly as
+    it was; `device`: where the steps run (their peak memory); `seq_len`: tokens per sequence."""
+    prof, base = profile, plan
     eff = base.effective_batch
     budget = prof.memory_budget_bytes
     res = AutotuneResult(profile=prof.to_dict(), effective_batch=eff, budget_bytes=budget)
     t_start = time.perf_counter()
-    snap = copy.deepcopy(trainer.state_dict())
-    release_free_memory(trainer.device)
+    snap = copy.deepcopy(state_dict())
+    release_free_memory(device)
     last_peak = last_mb = per_seq = None
     try:
         for mb in sorted(prof.candidates):
@@ -116,19 +117,19 @@ def autotune(trainer, base: Plan | None = None, warmup: int = WARMUP_STEPS,
                 if progress:
                     progress.update(1)
                 continue
-            trainer.load_state_dict(snap)
-            release_free_memory(trainer.device)
+            load_state_dict(snap)
+            release_free_memory(device)
             cand = Plan(mb, acc, mb * acc, base.precision, 1, "autotune candidate")
             try:
                 times = []
-                with PeakSampler(trainer.device) as peak:
+                with PeakSampler(device) as peak:
                     for i in range(warmup + steps):
-                        row = trainer.train_step(cand)
+                        row = step(cand)
                         if i >= warmup:
                             times.append(row["step_s"])
                 step_s = statistics.median(times)
                 c.status, c.step_s = "measured", step_s
-                c.tok_per_s = cand.effective_batch * trainer.cfg.data.seq_len / step_s
+                c.tok_per_s = cand.effective_batch * seq_len / step_s
                 c.peak_mem_bytes = peak.peak
                 c.fits = peak.peak <= budget
                 if not c.fits:
@@ -140,8 +141,8 @@ def autotune(trainer, base: Plan | None = None, warmup: int = WARMUP_STEPS,
                 if not is_out_of_memory(e):
                     raise
                 c.status, c.note = "oom", "out of memory"
-                trainer.optimizer.zero_grad(set_to_none=True)
-                if trainer.device.type == "cuda":
+                load_state_dict(snap)                        # the failed step's gradients dropped
+                if device.type == "cuda":
                     torch.cuda.empty_cache()
                 last_peak, last_mb = budget, mb              # anything larger is predicted over too
                 per_seq = max(per_seq or 0.0, 1.0)
@@ -154,7 +155,7 @@ def autotune(trainer, base: Plan | None = None, warmup: int = WARMUP_STEPS,
             if progress:
                 progress.update(1, micro=mb, **({"tok/s": round(c.tok_per_s)} if c.tok_per_s else {}))
     finally:
-        trainer.load_state_dict(snap)
+        load_state_dict(snap)
     eligible = [c for c in res.table if c.eligible]
     if eligible:
         best = max(eligible, key=lambda c: c.tok_per_s)
@@ -169,23 +170,26 @@ def autotune(trainer, base: Plan | None = None, warmup: int = WARMUP_STEPS,
     return res
 
 
-def choose_plan(trainer, progress=None) -> tuple[Plan, dict]:
-    """Autotune `trainer` and return (the plan to train with, the result as a dict).
+def choose_plan(step, state_dict, load_state_dict, *, profile, plan: Plan, device: torch.device,
+                seq_len: int, is_main: bool = True, progress=None) -> tuple[Plan, dict]:
+    """Autotune (`autotune`'s arguments; `plan`: the run's) and return (the plan to train
+    with, the result as a dict).
 
-    Data parallel: rank 0 measures the candidates alone, on the bare model (no
+    Data parallel (`plan.world_size` processes; `is_main`: this is rank 0): rank 0 measures the candidates alone, on the bare model (no
     collectives, so nothing can leave the ranks out of step), for its share of the
     batch (the micro-batch decides per-process throughput and memory); the other ranks
     wait (a long-timeout group) and take its choice, so every rank trains with the
     same micro-batch. Call it before the model is wrapped in DDP. Raises SonataError
     (agreed over ranks) when no candidate is eligible."""
-    plan, world = trainer.plan, trainer.world
+    world = plan.world_size
+    tune = dict(profile=profile, device=device, seq_len=seq_len, progress=progress)
     if world == 1:
-        res = autotune(trainer, progress=progress).to_dict()
+        res = autotune(step, state_dict, load_state_dict, plan=plan, **tune).to_dict()
     else:
         outcome = None
-        if trainer.is_main:
+        if is_main:
             try:
-                outcome = {"result": autotune(trainer, base=plan.alone(), progress=progress).to_dict()}
+                outcome = {"result": autotune(step, state_dict, load_state_dict, plan=plan.alone(), **tune).to_dict()}
             except SonataError as e:
                 outcome = {"error": str(e)}
             except Exception as e:       # noqa: BLE001 - the others must not wait forever
@@ -205,7 +209,6 @@ def choose_plan(trainer, progress=None) -> tuple[Plan, dict]:
            f"autotuned on rank 0 for the per-process batch {res['effective_batch']} "
            f"(global {plan.effective_batch} / {world} processes): {res['reason']}")
     return plan.with_batch(res["micro_batch"], how), res
-
 
 
 def cap_cost(result: dict) -> dict:

@@ -7,7 +7,7 @@ environment (`init_from_env`); without them the world is 1 and no process group 
 created at all, so the single-process path is unchanged.
 
 - Backend: `nccl` when the run is on CUDA (device cuda:LOCAL_RANK), `gloo` on CPU.
-  The control collectives of the trainer (guard flags, loss, memory maxima, the
+  The control collectives of the trainer (guard flags, loss, the step agreement, the
   autotuner's choice, error messages) run on a separate gloo group on CPU tensors.
 - Timeout: collectives give up after DIST_TIMEOUT_S (60 s, env SONATA_DIST_TIMEOUT_S),
   so a rank that dies or hangs cannot block the others forever; a rank whose peer
@@ -43,6 +43,21 @@ from sonata.train.memory import MemoryBudgetExceeded
 DIST_TIMEOUT_S = 60.0          # collectives (and so a dead or stuck peer) time out after this
 WAIT_TIMEOUT_S = 6 * 3600.0    # the autotuner's wait for rank 0's choice
 
+
+@dataclass(frozen=True)
+class Ranks:
+    """A process's place in the run: rank `rank` of `world` processes (rank 0 writes the files
+    and prints; world 1: the one process, no process group)."""
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def parallel(self) -> bool:
+        return self.world > 1
 
 
 @dataclass
@@ -153,10 +168,6 @@ def rank() -> int:
     return _ctx.rank
 
 
-def world_size() -> int:
-    return _ctx.world
-
-
 def is_main() -> bool:
     return _ctx.rank == 0
 
@@ -216,20 +227,6 @@ def all_reduce_sum(values) -> list[float]:
     return _reduce(values, dist.ReduceOp.SUM)
 
 
-def all_reduce_mean(values) -> list[float]:
-    return [v / _ctx.world for v in all_reduce_sum(values)]
-
-
-def broadcast_int(value: int, src: int = 0, wait: bool = False) -> int:
-    """Rank `src`'s integer on every rank; `wait`: the long-timeout group (rank 0 busy)."""
-    if not active():
-        return int(value)
-    t = torch.tensor([int(value)], dtype=torch.int64)
-    with collective("broadcast"):
-        dist.broadcast(t, src=src, group=_ctx.wait if wait else _ctx.ctl)
-    return int(t.item())
-
-
 def broadcast_object(obj, src: int = 0, wait: bool = False):
     """Rank `src`'s picklable object on every rank (messages, the autotune result)."""
     if not active():
@@ -240,7 +237,7 @@ def broadcast_object(obj, src: int = 0, wait: bool = False):
     return box[0]
 
 
-def tripped_ranks(flag: bool, extra=()) -> tuple[list[int], list[float]]:
+def _tripped_ranks(flag: bool, extra=()) -> tuple[list[int], list[float]]:
     """One MAX all-reduce: which ranks raised `flag`, and the maximum of `extra` over ranks."""
     vals = [0.0] * _ctx.world + [float(v) for v in extra]
     vals[_ctx.rank] = 1.0 if flag else 0.0
@@ -250,6 +247,23 @@ def tripped_ranks(flag: bool, extra=()) -> tuple[list[int], list[float]]:
 
 # ---------------------------------------------------------------- agreement
 # Every stop is agreed before anything is raised, so all ranks stop at the same step.
+
+@dataclass(frozen=True)
+class StepAgreement:
+    """What the ranks agree on after an optimizer step, each figure the maximum over ranks (one
+    process: its own readings). It replaces a list of maxima read by position."""
+    peak_bytes: int           # the process's peak memory so far (`memory.peak_memory_bytes`)
+    step_peak_bytes: int      # the step's peak memory (the guard's reading: `MemoryGuard.peak_last`)
+    signum: int | None        # a stop signal caught during the step (SIGINT / SIGTERM), or None
+    step_seconds: float       # the step's time: the slowest rank's, so every rank counts the same
+
+    def over_ranks(self, err: MemoryBudgetExceeded | None = None) -> "StepAgreement":
+        """This rank's readings (and its guard's trip, `err`) agreed with the other ranks' in one
+        MAX all-reduce (`agree_on_trip`: a trip on any rank raises on every rank)."""
+        peak, step_peak, signum, seconds = agree_on_trip(
+            err, [self.peak_bytes, self.step_peak_bytes, self.signum or 0, self.step_seconds])
+        return StepAgreement(int(peak), int(step_peak), int(signum) or None, seconds)
+
 
 def agree_on_loss(loss: float, bad: bool) -> tuple[float, bool]:
     """The mean loss over ranks, and whether any rank saw a non-finite loss or gradient
@@ -263,7 +277,7 @@ def agree_on_trip(err: MemoryBudgetExceeded | None, numbers=()) -> list[float]:
     that also carries `numbers`, whose maxima over ranks are returned. When any rank
     tripped, every rank raises the first tripping rank's error, naming that rank and
     the others that tripped (agreed: rank 0 prints it)."""
-    tripped, maxima = tripped_ranks(err is not None, numbers or ())
+    tripped, maxima = _tripped_ranks(err is not None, numbers or ())
     if not tripped:
         return maxima
     first = tripped[0]

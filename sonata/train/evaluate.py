@@ -17,7 +17,7 @@ from sonata.core import checkpoint as ckpt
 from sonata.core.device import autocast_for, check_precision
 from sonata.core.errors import ConfigError, DataError
 from sonata.data.batches import val_batches
-from sonata.data.sources import _read_text, split_stories
+from sonata.data.sources import read_text as _read_text, split_stories
 from sonata.model.quant import set_int8
 from sonata.train import distributed
 

@@ -7,7 +7,7 @@ while the window is short, a training run's heap settling, unless the caller tur
 as the bench does) and significant against the window's own noise by two measures: `trend`,
 least squares with the allocator's level shifts taken out, and `median_slope`, Theil-Sen
 through the raw readings. Each alone misreads one pattern of a correct loop (a single
-allocator jump; a sawtooth of heap trims), both together have not (tests/test_memory.py
+allocator jump; a sawtooth of heap trims), both together have not (tests/train/test_memory.py
 replays each). `InjectedLeak` keeps what a classic leak keeps (a graph, or activations) so
 notebooks 03 and 04 can show the detector and the benchmark harness catching it.
 """

@@ -23,7 +23,6 @@ The leak detector and the leak injected on purpose live in sonata.train.leak.
 from __future__ import annotations
 
 import threading
-import time
 
 import psutil
 import torch
@@ -293,9 +292,10 @@ class MemoryGuard:
         """`with guard.watch(step) as w: <one training step>`: the check before the step,
         peak sampling during it, the check after it (then `w.mem_bytes`, `w.peak`); an
         allocation failure inside the step becomes MemoryBudgetExceeded. `agree(error,
-        numbers)`, data parallel: called at both checks with this rank's error (or None)
-        and, after the step, [peak so far, step peak]; it returns the maxima over ranks
-        (`w.maxima`) and raises the agreed error when any rank tripped, so all stop."""
+        readings)`, data parallel: called at both checks with this rank's error (or None)
+        and, after the step, with `readings` = (peak so far, step peak) (None before it); it
+        raises the agreed error when any rank tripped, so all stop, and what it returns after
+        the step is kept as `w.agreed` (the trainer's: a StepAgreement)."""
         return StepWatch(self, step, agree)
 
 
@@ -305,9 +305,9 @@ class StepWatch:
     def __init__(self, guard: MemoryGuard, step: int, agree=None):
         self.guard, self.step, self.agree = guard, step, agree
         self.mem_bytes = self.peak = 0
-        self.maxima: list[float] | None = None
+        self.agreed = None             # what `agree` returned after the step (data parallel)
 
-    def _checked(self, check, numbers=None):
+    def _checked(self, check, readings=None):
         if self.agree is None:
             return check()
         value, err = None, None
@@ -316,11 +316,11 @@ class StepWatch:
         except MemoryBudgetExceeded as e:
             err = e
         try:
-            maxima = self.agree(err, numbers() if numbers else None)
+            agreed = self.agree(err, readings() if readings else None)
         except MemoryBudgetExceeded:
             self.guard.abort_step()        # ranks that did not trip were sampling
             raise
-        return value, maxima
+        return value, agreed
 
     def __enter__(self) -> "StepWatch":
         self._checked(lambda: self.guard.check_before_step(self.step))
@@ -339,8 +339,8 @@ class StepWatch:
         if self.agree is None:
             self.mem_bytes = after()
         else:
-            self.mem_bytes, self.maxima = self._checked(
-                after, lambda: [peak_memory_bytes(self.guard.device), self.guard.peak_last])
+            self.mem_bytes, self.agreed = self._checked(
+                after, lambda: (peak_memory_bytes(self.guard.device), self.guard.peak_last))
         self.peak = self.guard.peak_last
         return False
 
@@ -348,13 +348,3 @@ class StepWatch:
 def too_few_steps(need: int) -> str:
     """What a table cell or a verdict says when a run is too short to judge something."""
     return f"too few steps to judge: need at least {need}"
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.01) -> bool:
-    """Poll until predicate() is true or timeout (used by tests of the sampler)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())

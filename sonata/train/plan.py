@@ -97,8 +97,6 @@ def plan_batch(t, profile, world: int = 1) -> Plan:
                              else f"{eff}")))
 
 
-BATCH_KEYS = ("micro_batch", "effective_batch", "fixed_micro_batch", "precision")
-
 
 def resumed_inputs(t, saved_config: dict, saved_plan: dict | None, world: int):
     """The train.* values to plan a resumed run from: the checkpoint's plan where the

@@ -1,7 +1,7 @@
 """A run's bookkeeping in one record: how far it got (step, tokens), its metrics rows (history,
-and the row a checkpoint carries), where the time outside the optimizer steps went (setup,
-evaluation, checkpoints), what it resumed from, the autotuner's result, the skipped updates
-and what ended it.
+and the row a checkpoint carries), where the time went (setup, evaluation, checkpoints, the
+last step, when the last checkpoint was written), what it resumed from (step and file), the
+autotuner's result, the skipped updates and what ended it.
 
 The Trainer owns one (`trainer.record`) and writes it as the run goes; the early stops
 (sonata.train.stops) write `emergency_reason`. The summary (sonata.train.summary) and the stops
@@ -10,7 +10,9 @@ the Trainer. `resume(state)` takes the record's part of a checkpoint.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass
@@ -25,22 +27,29 @@ class RunRecord:
     setup_seconds: float = 0.0             # before the first step of run() (autotuning, kernel warm-up)
     eval_seconds: float = 0.0              # validation inside run()
     checkpoint_seconds: list[float] = field(default_factory=list)     # each checkpoint written
+    # time.monotonic() when the last checkpoint was written (or run() started): train.checkpoint_every_s
+    last_checkpoint_at: float = field(default_factory=time.monotonic)
+    step_seconds: float = 0.0              # this rank's time of its last optimizer step (train_step)
     resumed_from_step: int | None = None   # the checkpoint's step, for a resumed run
+    # the checkpoint file resumed from (never pruned by train.keep_checkpoints; in another
+    # folder, its metrics rows start this run's)
+    resumed_from_file: Path | None = None
     resumed_budget: dict | None = None     # a resumed budgeted run's budget, time and steps
     autotune: dict | None = None           # the autotuner's result (a checkpoint keeps it)
     # skipped updates (nonfinite_steps, scaler_skipped_steps): the dict the Updater counts in
     counters: dict = field(default_factory=dict)
-    stopped_by: str | None = None          # after run(): "time" (the budget) or "steps"
+    ended_by: str | None = None            # after run(): "time" (the budget) or "steps" (summary.json's stopped_by)
     emergency_reason: str | None = None    # an early stop's (sonata.train.stops)
 
     @classmethod
-    def starting(cls, state: dict | None, counters: dict) -> RunRecord:
-        """The record of a new run, or of one resuming `state` (a checkpoint's dict): what it
-        resumed from (`resume` then takes the checkpoint's progress)."""
+    def starting(cls, state: dict | None, counters: dict, source=None) -> RunRecord:
+        """The record of a new run, or of one resuming `state` (a checkpoint's dict, read from
+        the file `source`): what it resumed from (`resume` then takes the checkpoint's progress)."""
+        source = Path(source) if source else None
         if not state:
-            return cls(counters=counters)
+            return cls(counters=counters, resumed_from_file=source)
         budget = state.get("config", {}).get("train", {}).get("max_seconds")
-        return cls(counters=counters, resumed_from_step=int(state["step"]),
+        return cls(counters=counters, resumed_from_step=int(state["step"]), resumed_from_file=source,
                    resumed_budget=({"max_seconds": budget, "train_seconds": state.get("train_seconds", 0.0),
                                     "steps": state["step"]} if budget else None))
 

@@ -88,7 +88,7 @@ def continue_in_steps(t, state: dict):
 
 class Schedule:
     """One run's clock: `lr(step)`, `progress()` under a budget, `count(step_s, row, progress)`
-    after each step, `finished(step, row)` (and `stopped_by`: "time" or "steps"). Its state
+    after each step, `finished(step, row)` (and why: `ended_by`, "time" or "steps"). Its state
     (training seconds, the last step's budget fraction) travels in the checkpoint."""
 
     def __init__(self, t):
@@ -96,7 +96,7 @@ class Schedule:
         self.train_seconds = 0.0      # time inside optimizer steps, all runs of this model (resumes add)
         self.last_step_s = 0.0        # the last step's time (data parallel: the slowest rank's)
         self.last_progress = 0.0      # under a budget: the budget fraction the last step ran at
-        self.stopped_by: str | None = None
+        self.ended_by: str | None = None
 
     @property
     def budgeted(self) -> bool:
@@ -115,7 +115,7 @@ class Schedule:
     def start(self) -> None:
         """Before a run's first step: an autotuner's steps do not count towards the budget."""
         self.last_step_s = 0.0
-        self.stopped_by = None
+        self.ended_by = None
 
     def count(self, step_s: float, row: dict, progress: float | None) -> None:
         """A finished step: its time (`row["train_s"]`, the total so far) and, under a budget,
@@ -127,19 +127,19 @@ class Schedule:
         row["train_s"] = self.train_seconds
 
     def finished(self, step: int, row: dict | None = None) -> bool:
-        """Whether the run is over, and why (`stopped_by`): its budget spent (the step of
+        """Whether the run is over, and why (`ended_by`): its budget spent (the step of
         `row` ran at progress 1) or its step count reached."""
         t = self.t
-        if self.stopped_by is None:
+        if self.ended_by is None:
             if t.max_seconds and row is not None and row["progress"] >= 1.0:
-                self.stopped_by = "time"
+                self.ended_by = "time"
             elif step >= t.max_steps and (t.max_steps or not t.max_seconds):
-                self.stopped_by = "steps"
-        return self.stopped_by is not None
+                self.ended_by = "steps"
+        return self.ended_by is not None
 
     def warn_if_capped(self) -> None:
         t = self.t
-        if t.max_seconds and self.stopped_by == "steps" and t.min_lr_ratio < 1:
+        if t.max_seconds and self.ended_by == "steps" and t.min_lr_ratio < 1:
             warnings.warn(f"sonata: train.max_steps={t.max_steps} ended the run after {self.train_seconds:.1f} s "
                           f"of its {t.max_seconds:g} s budget (the learning rate had not reached its floor); "
                           f"train.max_steps=0 lifts the step cap", UserWarning, stacklevel=5)
@@ -154,7 +154,7 @@ class Schedule:
         """How far to move the bar after a step."""
         if not self.budgeted:
             return 1
-        done = bar.total if self.stopped_by == "time" else min(bar.total, int(self.train_seconds))
+        done = bar.total if self.ended_by == "time" else min(bar.total, int(self.train_seconds))
         return max(0, done - bar.n)
 
     def state_dict(self) -> dict:

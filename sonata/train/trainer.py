@@ -6,8 +6,9 @@ AdamW at the learning rate the run's `Schedule` gives (sonata.train.schedule: wa
 cosine over steps or over a time budget; it also says when the run ends). The batch,
 accumulation and precision come from the run's frozen `Plan` (sonata.train.plan); the
 MemoryGuard wraps each step (sonata.train.memory); data parallel adds DDP and the agreements
-of sonata.train.distributed; the run's bookkeeping is one `RunRecord` (sonata.train.record), which the
-summary (sonata.train.summary) and the early stops (sonata.train.stops) read. docs/architecture.md
+of sonata.train.distributed (after each step a `StepAgreement`); the run's bookkeeping is one
+`RunRecord` (sonata.train.record), which the summary (sonata.train.summary) and the early stops
+(sonata.train.stops, through a `RunHandle`) read: neither takes the Trainer. docs/architecture.md
 describes how the pieces fit.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ from sonata.core.errors import CheckpointError, SonataError
 from sonata.data.batches import BatchSampler, build_corpus
 from sonata.train import distributed
 from sonata.train import stops
+from sonata.train.distributed import Ranks, StepAgreement
 from sonata.train.autotune import choose_plan
 from sonata.train.evaluate import EvalResult, evaluate_stream
 from sonata.train.leak import InjectedLeak, LeakDetector
@@ -38,12 +40,13 @@ from sonata.core.progress import Progress
 from sonata.core.rng import rng_state, seed_everything, set_rng_state
 from sonata.data.tasks import TaskSampler, evaluate_task, make_task
 from sonata.data.vocab import Vocab
+from sonata.model import families
 from sonata.model.lm import MambaLM, build_model
 from sonata.model.quant import set_int8
 from sonata.train.plan import Plan, plan_batch, resumed_inputs
 from sonata.train.record import RunRecord
 from sonata.train.schedule import Schedule, continue_in_steps
-from sonata.train.summary import Throughput, write_summary
+from sonata.train.summary import Throughput, int8_report, run_summary, write_summary
 from sonata.train.tensorboard_log import TensorBoardLog
 from sonata.train.update import Updater
 
@@ -68,52 +71,6 @@ def _plan(t, state: dict | None, profile, world: int, device) -> Plan:
             warnings.warn("sonata: train.autotune is ignored: train.fixed_micro_batch is set",
                           UserWarning, stacklevel=3)
     return plan
-
-
-def _metrics_log(tr) -> ckpt.MetricsLog | None:
-    """Rank 0's metrics.jsonl (a branch from another folder's checkpoint starts with its rows)."""
-    if not tr.is_main:
-        return None
-    branched = tr.source is not None and tr.source.resolve().parent != tr.out_dir.resolve()
-    return ckpt.MetricsLog(tr.out_dir / "metrics.jsonl", through_step=tr.record.step,
-                           last_row=tr.record.resumed_last_row,
-                           source=tr.source.parent / "metrics.jsonl" if branched else None)
-
-
-def checkpoint_state(tr) -> dict:
-    """Everything a resume of trainer `tr` needs: what its checkpoint holds (`Trainer.state_dict`)."""
-    rec = tr.record
-    return {"model": tr.model.state_dict(), "optimizer": tr.optimizer.state_dict(),
-            "scaler": tr.scaler.state_dict(),
-            "scheduler": {"kind": "warmup_cosine", "step": rec.step},
-            "step": rec.step, "micro_step": rec.step * tr.plan.accumulation * tr.world,
-            "world_size": tr.world,
-            "tokens": rec.tokens, **tr.schedule.state_dict(), "counters": dict(rec.counters),
-            "consecutive_nonfinite": tr.update.consecutive_nonfinite,
-            "sampler": tr.sampler.state_dict(), "rng": rng_state(),
-            "vocab": tr.corpus.vocab.state_dict() if tr.corpus else None, "config": tr.cfg.to_dict(),
-            "plan": tr.plan.to_dict(), "last_row": rec.last_row,
-            "launch_id": distributed.launch_id(),   # which launch wrote it (restarts resume only their own)
-            "profile": tr.profile.to_dict(), "autotune": rec.autotune}
-
-
-def restore_state(tr, state: dict) -> None:
-    """Trainer `tr` back at `checkpoint_state`'s `state` (the plan is resolved in __init__);
-    a state that does not fit is a CheckpointError."""
-    try:
-        tr.model.load_state_dict(state["model"])
-        tr.update.load_optimizer(state["optimizer"])
-        if state.get("scaler"):
-            tr.scaler.load_state_dict(state["scaler"])
-        tr.sampler.load_state_dict(state["sampler"])
-        tr.record.resume(state)
-        tr.schedule.load_state_dict(state)
-        tr.update.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
-        set_rng_state(state["rng"])
-    except (KeyError, RuntimeError, ValueError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {tr.source or ''} does not match this configuration: "
-                              f"{str(e).splitlines()[0][:200]}") from None
-    tr.optimizer.zero_grad(set_to_none=True)
 
 
 def check_fits(cfg: Config, micro_batch: int, budget_bytes: int, what: str) -> None:
@@ -193,38 +150,40 @@ class Trainer:
     rows start this run's); `init`: a checkpoint's dict whose weights and vocabulary start a
     new run (`train --init`); `progress`: auto | bar | lines | none. `trainer.plan` is what
     the run trains with; `cfg` stays what was asked (but a resumed budgeted run's train.*).
-    `trainer.record` (sonata.train.record) is the run's bookkeeping: step, tokens, history..."""
+    `trainer.record` (sonata.train.record) is the run's bookkeeping: step, tokens, history,
+    timings, what it resumed from, what ended it; `trainer.ranks` this process's place in a
+    data-parallel run (rank, world, is_main)."""
 
     step = _from_record("step", "Optimizer steps done (a resumed run's included).")
     tokens = _from_record("tokens", "Tokens trained on, over every rank.")
     history = _from_record("history", "The metrics rows of run()'s steps, one a step.")
     counters = _from_record("counters", "Skipped updates: nonfinite_steps, scaler_skipped_steps.")
-    stopped_by = _from_record("stopped_by", 'After run(): "time" (the budget) or "steps".')
+    ended_by = _from_record("ended_by", 'After run(): "time" (the budget) or "steps".')
     train_seconds = property(lambda tr: tr.schedule.train_seconds, doc="Time inside optimizer steps, resumes added.")
+    optimizer = property(lambda tr: tr.update.optimizer, doc="AdamW (the Updater's).")
+    scaler = property(lambda tr: tr.update.scaler, doc="fp16's GradScaler, disabled otherwise (the Updater's).")
 
     def __init__(self, cfg: Config, out_dir=None, state: dict | None = None, progress: str | None = None,
                  source=None, init: dict | None = None):
-        cfg.validate()
+        families.validate(cfg)             # every key's range, then what the block families need
         if state:
             cfg = replace(cfg, train=continue_in_steps(cfg.train, state)).validate()
         self.cfg = cfg
         t = cfg.train
         dctx = distributed.init_from_env(t.device)       # world 1 without torchrun: nothing
-        self.world, self.rank = dctx.world, dctx.rank
-        self.is_main = dctx.rank == 0
+        self.ranks = ranks = Ranks(dctx.rank, dctx.world)
         self._net = None              # the DistributedDataParallel wrapper (world > 1, from run())
-        self._stop = None             # run()'s signal flag, agreed with the guard after each step
         self._threads = t.threads or (distributed.local_threads(dctx.local_world)
-                                      if self.world > 1 and (dctx.device is None or dctx.device.type == "cpu")
+                                      if ranks.parallel and (dctx.device is None or dctx.device.type == "cpu")
                                       else 0)     # per rank on CPU: cores // processes on this machine
         if self._threads:
             torch.set_num_threads(self._threads)
-        if self.world > 1 and not self.is_main:
+        if not ranks.is_main:
             progress = "none"
-        self.device = dctx.device if self.world > 1 else resolve_device(t.device)
+        self.device = dctx.device if ranks.parallel else resolve_device(t.device)
         self.profile = resolve_profile(cfg.profile, self.device.type, available_ram_bytes(),
                                        device_total_bytes(self.device))
-        self.plan: Plan = _plan(t, state, self.profile, self.world, self.device)
+        self.plan: Plan = _plan(t, state, self.profile, ranks.world, self.device)
         self.guard = MemoryGuard(self.profile.memory_budget_bytes, self.device,
                                  what=("profile.memory_budget_mb" if cfg.profile.memory_budget_mb else
                                        f"profile {self.profile.name}: {self.profile.budget_source}"))
@@ -232,7 +191,6 @@ class Trainer:
         self.injected_leak = InjectedLeak(cfg.debug.leak)     # debug.leak: the micro-step hook
         self.before_step: list = []                           # hooks(trainer) run before each step
         self.out_dir = Path(out_dir) if out_dir is not None else None
-        self.source = Path(source) if source else None
         self.progress_mode = progress
         self.task, self.corpus = _data(cfg, (state or init or {}).get("vocab"), self.device,
                                        self.profile.memory_budget_bytes, progress)
@@ -246,16 +204,12 @@ class Trainer:
             self.start_from(init["model"], _arch_of(init))
         # micro-steps, clip, the optimizer step or its skip (AdamW, fp16's GradScaler)
         self.update = Updater(self.model, cfg, self.device, self.plan.precision, self.task, self.injected_leak)
-        self.optimizer, self.scaler = self.update.optimizer, self.update.scaler
         self.sampler = (TaskSampler(self.task, cfg.data.seq_len, seed=t.seed, device=self.device,
                                     curriculum=cfg.task.curriculum) if self.task
                         else BatchSampler(self.corpus.train, cfg.data.seq_len, seed=t.seed, device=self.device))
-        self.record = RunRecord.starting(state, self.update.counters)     # the run's bookkeeping
+        self.record = RunRecord.starting(state, self.update.counters, source)   # the run's bookkeeping
         self.schedule = Schedule(t)   # the learning rate, the budget, when to stop
-        self._step_s = 0.0            # this rank's time of the last train_step
-        self.step_start = None       # (sampler, rng) at the start of the step in progress (DDP)
-        self._last_save = time.monotonic()
-        self._byte_len = torch.from_numpy(self.corpus.vocab.byte_lengths).to(self.device) if self.corpus else None
+        self._step_start_state = None   # (sampler, rng) at the start of the step in progress (DDP)
         if state:
             self.load_state_dict(state)
             if self.record.autotune:
@@ -264,12 +218,38 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """Everything a resume needs (what a checkpoint holds: `checkpoint_state`)."""
-        return checkpoint_state(self)
+        """Everything a resume needs: what a checkpoint holds."""
+        rec = self.record
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "scheduler": {"kind": "warmup_cosine", "step": rec.step},
+                "step": rec.step, "micro_step": rec.step * self.plan.accumulation * self.ranks.world,
+                "world_size": self.ranks.world,
+                "tokens": rec.tokens, **self.schedule.state_dict(), "counters": dict(rec.counters),
+                "consecutive_nonfinite": self.update.consecutive_nonfinite,
+                "sampler": self.sampler.state_dict(), "rng": rng_state(),
+                "vocab": self.corpus.vocab.state_dict() if self.corpus else None, "config": self.cfg.to_dict(),
+                "plan": self.plan.to_dict(), "last_row": rec.last_row,
+                "launch_id": distributed.launch_id(),   # which launch wrote it (restarts resume only their own)
+                "profile": self.profile.to_dict(), "autotune": rec.autotune}
 
     def load_state_dict(self, state: dict) -> None:
-        """The training state of `state_dict()` (the plan is resolved in __init__)."""
-        restore_state(self, state)
+        """Back at `state_dict()`'s `state` (the plan is resolved in __init__); a state that does
+        not fit is a CheckpointError."""
+        try:
+            self.model.load_state_dict(state["model"])
+            self.update.load_optimizer(state["optimizer"])
+            if state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
+            self.sampler.load_state_dict(state["sampler"])
+            self.record.resume(state)
+            self.schedule.load_state_dict(state)
+            self.update.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
+            set_rng_state(state["rng"])
+        except (KeyError, RuntimeError, ValueError, TypeError) as e:
+            raise CheckpointError(f"checkpoint {self.record.resumed_from_file or ''} does not match this "
+                                  f"configuration: {str(e).splitlines()[0][:200]}") from None
+        self.optimizer.zero_grad(set_to_none=True)
 
     def start_from(self, model_state: dict, arch: str | None = None) -> None:
         """A new run from another run's weights (`train --init`, notebook 08's second phase):
@@ -298,7 +278,7 @@ class Trainer:
         Rank 0 writes (the state is the same on every rank) unless `any_rank` (a survivor
         of a lost peer). With train.keep_checkpoints=K the last K are also kept by step."""
         path = Path(path) if path else self.out_dir / "checkpoint.pt"
-        if not (self.is_main or any_rank):
+        if not (self.ranks.is_main or any_rank):
             return path
         if not self.model_is_finite():
             warnings.warn(f"sonata: model has non-finite weights at step {self.record.step}; "
@@ -307,9 +287,10 @@ class Trainer:
         t0 = time.perf_counter()
         ckpt.save(self.state_dict(), path)
         if self.cfg.train.keep_checkpoints and path.name == "checkpoint.pt":
-            ckpt.keep_last(path, self.record.step, self.cfg.train.keep_checkpoints, keep=(self.source,))
+            ckpt.keep_last(path, self.record.step, self.cfg.train.keep_checkpoints,
+                           keep=(self.record.resumed_from_file,))
         self.record.checkpoint_seconds.append(time.perf_counter() - t0)
-        self._last_save = time.monotonic()
+        self.record.last_checkpoint_at = time.monotonic()
         return path
 
     def _checkpoint_due(self, final: bool) -> bool:
@@ -319,7 +300,7 @@ class Trainer:
         if not self.out_dir or final:
             return False
         return bool((t.checkpoint_every and self.record.step % t.checkpoint_every == 0) or
-                    (t.checkpoint_every_s and time.monotonic() - self._last_save >= t.checkpoint_every_s))
+                    (t.checkpoint_every_s and time.monotonic() - self.record.last_checkpoint_at >= t.checkpoint_every_s))
 
     # ------------------------------------------------------------------ one step
     def train_step(self, plan: Plan | None = None) -> dict:
@@ -329,12 +310,12 @@ class Trainer:
         ddp = plan.world_size > 1
         net = self._net if ddp and self._net is not None else self.model
         if ddp:     # a peer lost inside this step: the survivors save the state of its start
-            self.step_start = (self.sampler.state_dict(), rng_state())
+            self._step_start_state = (self.sampler.state_dict(), rng_state())
         sync(self.device)
         t0 = time.perf_counter()
         lr = self._set_lr()
         # the global batch's offsets, this rank's shard of rows (the whole batch at world 1)
-        x, y = self.sampler.draw(plan.effective_batch, shard=(self.rank, self.world) if ddp else (0, 1))
+        x, y = self.sampler.draw(plan.effective_batch, shard=(self.ranks.rank, self.ranks.world) if ddp else (0, 1))
         loss, gnorm, skipped = self.update(net, x, y, plan)
         if self._threads and torch.get_num_threads() != self._threads:
             # numba's OpenMP layer resets the OpenMP thread count when its pool starts (the
@@ -342,12 +323,12 @@ class Trainer:
             torch.set_num_threads(self._threads)
         sync(self.device)                       # the clock is read only once the device is done
         dt = time.perf_counter() - t0
-        self._step_s = dt
         n_tok = plan.effective_batch * x.shape[1]          # x: this rank's rows; a task's length may vary
         rec = self.record
+        rec.step_seconds = dt
         rec.step += 1
         rec.tokens += n_tok
-        self.step_start = None
+        self._step_start_state = None
         row = {"step": rec.step, "loss": loss, "lr": lr, "tokens": rec.tokens, "step_tokens": n_tok,
                "tok_per_s": n_tok / dt, "step_s": dt, "grad_norm": gnorm,
                "skipped": skipped, "fallbacks": kernels.fallback_count()}
@@ -367,7 +348,9 @@ class Trainer:
         train with the choice (data parallel: rank 0's, broadcast). Returns the result
         as a dict; raises SonataError when no candidate is eligible."""
         with self._bar(len(self.profile.candidates), "autotune", progress) as bar:
-            self.plan, self.record.autotune = choose_plan(self, progress=bar)
+            self.plan, self.record.autotune = choose_plan(
+                self.train_step, self.state_dict, self.load_state_dict, profile=self.profile, plan=self.plan,
+                device=self.device, seq_len=self.cfg.data.seq_len, is_main=self.ranks.is_main, progress=bar)
         return self.record.autotune
 
     def _bar(self, total: int, what: str, progress: str | None = None):
@@ -385,11 +368,12 @@ class Trainer:
         if self.task:
             k = self.cfg.task
             return evaluate_task(model or self.model, self.task, self.cfg.data.seq_len, k.eval_seqs,
-                                 k.eval_seed, chunked=self.cfg.model.arch != "attention")
+                                 k.eval_seed, chunked=families.bounded_state(self.cfg.model))
         stream = {"validation": self.corpus.val, "train": self.corpus.train}[split]
-        return evaluate_stream(model or self.model, stream, self._byte_len, self.cfg.data.seq_len,
+        byte_len = torch.from_numpy(self.corpus.vocab.byte_lengths).to(self.device)    # UTF-8 bytes of each token
+        return evaluate_stream(model or self.model, stream, byte_len, self.cfg.data.seq_len,
                                max(16, self.plan.micro_batch), t.eval_tokens if max_tokens is None else max_tokens,
-                               self.plan.precision, (self.rank, self.world), by_position)
+                               self.plan.precision, (self.ranks.rank, self.ranks.world), by_position)
 
     def _timed_evaluate(self):
         t0 = time.perf_counter()
@@ -409,7 +393,7 @@ class Trainer:
         notebook or a script, is refused with one line naming this one (and this one is refused
         while another holds it)."""
         self.check_budget()
-        with (ckpt.run_folder_lock(self.out_dir) if self.out_dir is not None and self.is_main
+        with (ckpt.run_folder_lock(self.out_dir) if self.out_dir is not None and self.ranks.is_main
               else contextlib.nullcontext()):
             return self._run(on_step)
 
@@ -426,24 +410,25 @@ class Trainer:
                 f"{fmt_mib(budget)} ({self.guard.what})", "raise profile.memory_budget_mb",
                 budget_bytes=budget, used_bytes=used)
 
+
     def _run(self, on_step) -> dict:
         t, sch, rec = self.cfg.train, self.schedule, self.record
+        run = self._handle()                     # what the early stops need of this run
         t_start = time.perf_counter()
-        with stops.on_lost_peer(self):           # autotuning and DDP's construction talk to the peers too
+        with stops.on_lost_peer(run):            # autotuning and DDP's construction talk to the peers too
             self._prepare()
         rec.setup_seconds = time.perf_counter() - t_start       # autotuning, DDP, kernel warm-up
-        metrics = _metrics_log(self) if self.out_dir else None
+        metrics = self._metrics_log() if self.out_dir else None
         tboard = TensorBoardLog(self.out_dir) if metrics and t.tensorboard else None
         speed = Throughput()
         last_eval: EvalResult | None = None
         try:
             with self._bar(*sch.bar(rec.step)) as bar, stops.StopSignal() as stop, \
-                    stops.on_lost_peer(self):                  # inside: signals are still only flagged
-                self._stop = stop
+                    stops.on_lost_peer(run):                   # inside: signals are still only flagged
                 while not sch.finished(rec.step):
                     # one optimizer step inside the memory guard (learning rate from the schedule)
-                    row, peak_all, signum = self._guarded_step()
-                    speed.add(row, row["step_tokens"], rec.counters["nonfinite_steps"], peak_all)
+                    row, agreed = self._guarded_step(stop)
+                    speed.add(row, row["step_tokens"], rec.counters["nonfinite_steps"], agreed.peak_bytes)
                     # follow memory (the leak detector warns once), then the caller's hook
                     if self.leak.follow(row["mem_bytes"], row["step_tokens"]):
                         warnings.warn(f"sonata: {self.leak.message()} (step {rec.step})", RuntimeWarning,
@@ -467,15 +452,15 @@ class Trainer:
                         if tboard:
                             tboard.write(row)
                     # stop on divergence; checkpoint when due; stop on a signal (after saving)
-                    stops.diverged(self)
+                    stops.diverged(run, self.update.consecutive_nonfinite, t.max_nonfinite)
                     if self._checkpoint_due(final):
                         self.save_checkpoint()
                     bar.update(sch.bar_units(bar), loss=row["loss"], **{"tok/s": round(row["tok_per_s"])},
                                **({"val_bpb": row["val_bpb"]} if "val_bpb" in row else {}))
-                    if signum is not None:
-                        stops.interrupted(self, signum)
+                    if agreed.signum is not None:
+                        stops.interrupted(run, agreed.signum)
         except MemoryBudgetExceeded as e:
-            raise stops.memory_tripped(self, e, speed, metrics) from None
+            raise stops.memory_tripped(run, e, speed, metrics) from None
         except KeyboardInterrupt:
             # a second Ctrl-C mid-step: the step may be half-applied, so keep the last
             # periodic checkpoint rather than writing this state over it
@@ -486,16 +471,16 @@ class Trainer:
                 metrics.close()
             if tboard:
                 tboard.close()
-        rec.stopped_by = sch.stopped_by
+        rec.ended_by = sch.ended_by
         sch.warn_if_capped()
-        with stops.on_lost_peer(self):           # the final evaluation and the peaks are collectives
-            inject.exit_point("finish", self.rank)            # test-only; nothing when unset
+        with stops.on_lost_peer(run):            # the final evaluation and the peaks are collectives
+            inject.exit_point("finish", self.ranks.rank)      # test-only; nothing when unset
             last_eval = last_eval or self._timed_evaluate()
             # the final checkpoint (rank 0), then the summary: its wall time runs from t_start to
             # after that checkpoint, so it holds every part it lists
-            if self.out_dir and self.is_main:
+            if self.out_dir and self.ranks.is_main:
                 self.save_checkpoint()
-            return write_summary(self, last_eval, speed, time.perf_counter() - t_start)
+            return self._summary(last_eval, speed, time.perf_counter() - t_start)
 
     def _prepare(self) -> None:
         """Before the first step: autotune when asked, the DDP wrapper, clean counters."""
@@ -508,30 +493,33 @@ class Trainer:
             self.apply_autotune()
         if t.max_seconds and self._net is None:        # (a DDP-wrapped model is warm already)
             self.update.warm(self.plan, self.cfg.data.seq_len)
-        if self.world > 1 and self._net is None:
+        rank = self.ranks.rank
+        if self.ranks.parallel and self._net is None:
             from torch.nn.parallel import DistributedDataParallel as DDP
-            inject.exit_point("prepare", self.rank)           # test-only; nothing when unset
+            inject.exit_point("prepare", rank)                # test-only; nothing when unset
             with distributed.collective("DDP construction"):     # it broadcasts rank 0's weights
                 self._net = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        hook = inject.trip_hook(self.rank) if self.world > 1 else None      # test-only; None when unset
+        hook = inject.trip_hook(rank) if self.ranks.parallel else None      # test-only; None when unset
         if hook is not None:
             self.before_step.append(hook)
-        self._stop = None
         self.leak.warned = False
-        self._last_save = time.monotonic()
-        self.record.stopped_by = None
+        self.record.last_checkpoint_at = time.monotonic()
+        self.record.ended_by = None
         self.schedule.start()
 
-    def _guarded_step(self) -> tuple[dict, int, int | None]:
-        """One step inside the memory guard: (row, peak memory, signal to stop on).
-        Data parallel: the guard's checks, the peaks and the signal are agreed over ranks."""
+    def _guarded_step(self, stop: stops.StopSignal | None = None) -> tuple[dict, StepAgreement]:
+        """One step inside the memory guard -> (its row, the StepAgreement: peak memory so far,
+        the step's peak, the signal to stop on from `stop`, run()'s flag, and the step's time).
+        Data parallel: the guard's checks and the agreement are over every rank (a collective)."""
         for hook in self.before_step:
             hook(self)
         sch = self.schedule
         progress = sch.progress() if sch.budgeted else None      # what the step's rate is set from
+        signum = (lambda: stop.signum) if stop is not None else (lambda: None)
+        agree = self._agreement(signum) if self.ranks.parallel else None
         row = None
         try:
-            with self.guard.watch(self.record.step, self._agree if self.world > 1 else None) as watch:
+            with self.guard.watch(self.record.step, agree) as watch:
                 row = self.record.last_row = self.train_step()   # the same dict gains its fields below
         except MemoryBudgetExceeded:
             if row is not None:          # the step completed; the check after it tripped: it counts,
@@ -539,16 +527,61 @@ class Trainer:
                 row["step_peak_bytes"] = self.guard.peak_last
                 sch.count(row["step_s"], row, progress)
             raise
-        row["mem_bytes"], row["step_peak_bytes"] = watch.mem_bytes, watch.peak
-        if watch.maxima is None:
-            sch.count(row["step_s"], row, progress)
-            return row, peak_memory_bytes(self.device), self._stop.signum
-        peak_all, row["step_peak_bytes"], signum = (int(v) for v in watch.maxima[:3])
-        sch.count(watch.maxima[3], row, progress)     # every rank counts the same time
-        return row, peak_all, signum or None          # a later signal: the next step's turn
+        agreed = watch.agreed or StepAgreement(peak_memory_bytes(self.device), watch.peak, signum(),
+                                               self.record.step_seconds)
+        row["mem_bytes"], row["step_peak_bytes"] = watch.mem_bytes, agreed.step_peak_bytes
+        sch.count(agreed.step_seconds, row, progress)     # data parallel: every rank counts the same time
+        return row, agreed
 
-    def _agree(self, err: MemoryBudgetExceeded | None, numbers) -> list[float]:
-        """The guard's agreement; after the step it also carries this rank's signal and
-        step time (the maximum over ranks is the step's training time everywhere)."""
-        extra = [*numbers, self._stop.signum or 0, self._step_s] if numbers is not None else []
-        return distributed.agree_on_trip(err, extra)
+    def _agreement(self, signum):
+        """The guard's `agree` for a data-parallel step: before the step, its trip agreed; after
+        it, also this rank's readings (peak so far, step peak), its signal (`signum()`) and step
+        time, agreed as the step's StepAgreement."""
+        def agree(err: MemoryBudgetExceeded | None, readings) -> StepAgreement | None:
+            if readings is None:
+                distributed.agree_on_trip(err)
+                return None
+            mine = StepAgreement(int(readings[0]), int(readings[1]), signum(), self.record.step_seconds)
+            return mine.over_ranks(err)
+        return agree
+
+    # ------------------------------------------------------------------ what run() hands over
+    def _handle(self) -> stops.RunHandle:
+        return stops.RunHandle(record=self.record, out_dir=self.out_dir, ranks=self.ranks, device=self.device,
+                               save=self.save_checkpoint, drop_step=self._drop_step, roll_back=self._roll_back_step)
+
+    def _drop_step(self) -> None:
+        """After a memory trip: the debug leak and the failed step's gradients dropped."""
+        self.injected_leak.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _roll_back_step(self) -> None:
+        """A peer lost inside a step: the sampler and RNGs back at the step's start, its gradients
+        dropped (the model and optimizer are untouched); between steps nothing to do."""
+        if self._step_start_state is not None:
+            sampler, rng = self._step_start_state
+            self.sampler.load_state_dict(sampler)
+            set_rng_state(rng)
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _metrics_log(self) -> ckpt.MetricsLog | None:
+        """Rank 0's metrics.jsonl (a branch from another folder's checkpoint starts with its rows)."""
+        if not self.ranks.is_main:
+            return None
+        source = self.record.resumed_from_file
+        branched = source is not None and source.resolve().parent != self.out_dir.resolve()
+        return ckpt.MetricsLog(self.out_dir / "metrics.jsonl", through_step=self.record.step,
+                               last_row=self.record.resumed_last_row,
+                               source=source.parent / "metrics.jsonl" if branched else None)
+
+    def _summary(self, last_eval, speed: Throughput, wall_s: float) -> dict:
+        """The run's summary (an int8 run's report added), written to summary.json by rank 0."""
+        out = self.out_dir if self.ranks.is_main else None
+        summary = run_summary(
+            self.record, last_eval, speed, wall_s, cfg=self.cfg, plan=self.plan, profile=self.profile,
+            device=self.device, world=self.ranks.world, params=self.model.num_params(), guard=self.guard,
+            leak_report=self.leak.report(), train_seconds=self.schedule.train_seconds,
+            data=self.corpus.summary() if self.corpus else self.task.summary(self.cfg.data.seq_len))
+        if self.plan.precision == "int8":
+            summary.update(int8_report(self.model, self.evaluate, self.device, out))
+        return write_summary(summary, out)

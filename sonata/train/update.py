@@ -1,4 +1,5 @@
-"""One optimizer update from a drawn batch: `Updater(trainer pieces)(net, x, y, plan)`.
+"""One optimizer update from a drawn batch: `Updater(model, cfg, device, precision, task,
+injected_leak)(net, x, y, plan)`, the Trainer's.
 
 In order: the micro-steps (forward under the plan's precision, the loss, backward scaled by
 1 / accumulation; DDP's gradient all-reduce only in the last micro-step's backward), the

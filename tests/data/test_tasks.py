@@ -258,7 +258,7 @@ def test_a_curriculum_stage_restarts_the_leak_detector_and_a_constant_rate_cap_d
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tr.run()
-    assert len(tr.leak.samples) == 5 and tr.stopped_by == "steps"
+    assert len(tr.leak.samples) == 5 and tr.ended_by == "steps"
     assert tr.leak.skip == STAGE_SETTLE_STEPS         # the longer stage's heap settles first
     assert tr.leak.threshold == leak_threshold(tr.history[-1]["step_tokens"])
 

@@ -103,7 +103,7 @@ def test_reference_against_plain_loops(forms):
 
 def test_per_batch_form_is_sonatas_own_scan():
     """The per-batch form against sonata's float64 reference (an independent implementation)."""
-    from sonata.kernels.reference import selective_scan_ref as sonata_ref
+    from sonata.kernels.selective.reference import selective_scan_ref as sonata_ref
     t = _inputs(4, 2, 6, 4, 50)
     torch.testing.assert_close(ops.selective_scan_fn(**t, delta_softplus=True),
                                sonata_ref(**t, delta_softplus=True), rtol=1e-12, atol=1e-12)

@@ -11,6 +11,7 @@ import torch
 
 from conftest import tiny_overrides
 from sonata import kernels
+from sonata.kernels import dispatch
 from sonata.core.config import make_config
 from sonata.kernels import fallback_count, selective_scan, selective_scan_ref
 from sonata.lab.timing import make_inputs
@@ -45,7 +46,7 @@ def test_no_fallback_when_the_backend_can_run(backend):
 
 
 def test_unsupported_dtype_falls_back_once_per_call_and_warns_once(monkeypatch):
-    monkeypatch.setattr(kernels, "_warned", set())
+    monkeypatch.setattr(dispatch, "_warned", set())
     before = fallback_count()
     u, delta, A, B, C, D, z, bias = _args()
     u_int = (u * 10).to(torch.int32)
@@ -67,11 +68,11 @@ def test_missing_numba_falls_back_and_names_the_reason(monkeypatch):
     real = importlib.import_module
 
     def fake(name, *a, **k):
-        if name == "sonata.kernels.cpu":
+        if name == "sonata.kernels.selective.cpu":
             raise ImportError("No module named 'numba'")
         return real(name, *a, **k)
-    monkeypatch.setattr(kernels.importlib, "import_module", fake)
-    monkeypatch.setattr(kernels, "_loaded", {})      # as in a process that never imported it
+    monkeypatch.setattr(dispatch.importlib, "import_module", fake)
+    monkeypatch.setattr(dispatch, "_loaded", {})      # as in a process that never imported it
     assert kernels.resolve_backend("cpu", torch.zeros(1)) == (
         "reference", "cpu backend unavailable (No module named 'numba')")
     before = fallback_count()
@@ -80,7 +81,7 @@ def test_missing_numba_falls_back_and_names_the_reason(monkeypatch):
 
 
 def test_compiled_triton_on_cpu_tensors_falls_back(monkeypatch):
-    mod = importlib.import_module("sonata.kernels.triton")
+    mod = importlib.import_module("sonata.kernels.selective.triton")
     monkeypatch.setattr(mod, "INTERPRETED", False)
     name, reason = kernels.resolve_backend("triton", torch.zeros(1))
     assert name == "reference" and "TRITON_INTERPRET=1" in reason
@@ -92,7 +93,7 @@ def test_unknown_backend_is_an_error():
 
 
 def test_trainer_reports_the_fallback_counter_every_step(monkeypatch):
-    mod = importlib.import_module("sonata.kernels.triton")
+    mod = importlib.import_module("sonata.kernels.selective.triton")
     monkeypatch.setattr(mod, "INTERPRETED", False)          # triton asked for, cannot run here
     cfg = make_config(tiny_overrides(**{"model.backend": "triton", "train.max_steps": 3}))
     tr = Trainer(cfg, None, progress="none")
@@ -114,18 +115,18 @@ def _ssd_args():
 
 @pytest.fixture
 def cuda_choice(monkeypatch):
-    """`auto` takes its CUDA branch: on a GPU with CUDA tensors; without one, sonata.kernels.on_cuda
+    """`auto` takes its CUDA branch: on a GPU with CUDA tensors; without one, sonata.kernels.dispatch.on_cuda
     answers yes for CPU tensors, so the dispatchers pick (and run) the Triton kernels, which the
     interpreter runs. The once-per-process memory of the warning starts empty. Yields the device."""
-    monkeypatch.setattr(kernels, "_unverified_warned", set())
+    monkeypatch.setattr(dispatch, "_unverified_warned", set())
     if torch.cuda.is_available():
         yield "cuda"
         return
     pytest.importorskip("triton")
-    for mod in ("sonata.kernels.triton", "sonata.kernels.ssd.triton"):
+    for mod in ("sonata.kernels.selective.triton", "sonata.kernels.ssd.triton"):
         if not importlib.import_module(mod).INTERPRETED:
             pytest.skip(f"{mod} was imported compiled, without a GPU")
-    monkeypatch.setattr(kernels, "on_cuda", lambda t: True)
+    monkeypatch.setattr(dispatch, "on_cuda", lambda t: True)          # the one device check
     yield "cpu"
 
 
@@ -135,7 +136,7 @@ def _unverified_warnings(w):
 
 def test_auto_on_cuda_names_each_unverified_triton_kernel_once(cuda_choice, monkeypatch):
     from sonata.kernels.ssd import ssd
-    monkeypatch.setattr(kernels, "GPU_VERIFIED", {})
+    monkeypatch.setattr(dispatch, "GPU_VERIFIED", {})
     scan_args = [t.to(cuda_choice) for t in _args()]
     ssd_args = [t.to(cuda_choice) for t in _ssd_args()]
     before = fallback_count()
@@ -147,7 +148,7 @@ def test_auto_on_cuda_names_each_unverified_triton_kernel_once(cuda_choice, monk
     msgs = _unverified_warnings(w)
     assert len(msgs) == 2, msgs
     scan_msg, ssd_msg = msgs
-    assert "Mamba-1 selective scan (sonata/kernels/triton.py)" in scan_msg and "'selective_scan'" in scan_msg
+    assert "Mamba-1 selective scan (sonata/kernels/selective/triton.py)" in scan_msg and "'selective_scan'" in scan_msg
     assert "SSD / Mamba-2 scan (sonata/kernels/ssd/triton.py)" in ssd_msg and "'ssd'" in ssd_msg
     for m in msgs:
         assert "only run in Triton's CPU interpreter" in m and "benchmarks/gpu_check.sh" in m
@@ -157,7 +158,7 @@ def test_auto_on_cuda_names_each_unverified_triton_kernel_once(cuda_choice, monk
 
 def test_no_warning_for_a_verified_kernel_nor_for_other_backends(cuda_choice, monkeypatch):
     from sonata.kernels.ssd import ssd
-    monkeypatch.setattr(kernels, "GPU_VERIFIED", {"selective_scan": "abc1234, NVIDIA H100, 2026-12-07"})
+    monkeypatch.setattr(dispatch, "GPU_VERIFIED", {"selective_scan": "abc1234, NVIDIA H100, 2026-12-07"})
     scan_args = [t.to(cuda_choice) for t in _args()]
     ssd_args = [t.to(cuda_choice) for t in _ssd_args()]
     with warnings.catch_warnings(record=True) as w:

@@ -14,7 +14,7 @@ Two kinds of case, chosen by the `device` of each test:
   machine for the interpreter cases instead.
 
 Interpreter mode is fixed when `triton` is imported (triton.language's own jit
-functions are decorated then) and when `sonata.kernels.triton` is imported. So,
+functions are decorated then) and when `sonata.kernels.selective.triton` is imported. So,
 without a GPU and with TRITON_INTERPRET unset, this module sets it before importing
 either, and sets it again around its own tests only: other test modules keep the
 environment they started with. If triton was already imported in compiled mode by
@@ -44,14 +44,14 @@ if _set_interpreter:
     os.environ["TRITON_INTERPRET"] = "1"
 try:
     triton = pytest.importorskip("triton")
-    tri = importlib.import_module("sonata.kernels.triton")
+    tri = importlib.import_module("sonata.kernels.selective.triton")
 finally:
     if _set_interpreter:
         del os.environ["TRITON_INTERPRET"]
 
 import sonata.kernels as kernels  # noqa: E402
-from sonata.kernels.autograd import fused_scan  # noqa: E402
-from sonata.kernels.reference import selective_scan_ref  # noqa: E402
+from sonata.kernels.selective.autograd import fused_scan  # noqa: E402
+from sonata.kernels.selective.reference import selective_scan_ref  # noqa: E402
 
 # Interpreted end to end: our kernels and triton.language's own jit functions.
 INTERPRETED = (not isinstance(tri._scan_fwd_kernel, triton.runtime.JITFunction)
@@ -77,7 +77,7 @@ def _poison(monkeypatch):
 
 def need(device: str) -> torch.device:
     if device == "cpu" and not INTERPRETED:
-        pytest.skip("triton / sonata.kernels.triton were imported in compiled mode earlier in "
+        pytest.skip("triton / sonata.kernels.selective.triton were imported in compiled mode earlier in "
                     "this process; CPU tensors need TRITON_INTERPRET=1 before those imports")
     if device == "cuda":
         if not CUDA:

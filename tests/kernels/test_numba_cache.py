@@ -11,8 +11,8 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-# One fused decoding step of a small model from zero states: only decode_cpu.step runs (it
-# embeds cpu_simd._exp_f32, a helper of another file).
+# One fused decoding step of a small model from zero states: only selective/decode_cpu.step runs
+# (it embeds cpu_simd.fast_exp_f32, a helper of another file).
 STEP = r"""
 import sys
 # the copy, not the checkout: an editable install's import hook would find the checkout first
@@ -21,7 +21,7 @@ sys.path[:0] = [{copy_root!r}, {tests!r}]
 import torch
 from models import _sonata
 from sonata.model.decode import Decoder
-import sonata.kernels.decode_cpu as k
+import sonata.kernels.selective.decode_cpu as k
 assert k.__file__.startswith({copy!r}), k.__file__
 dec = Decoder(_sonata(seed=3), 2, fused=True)
 logits = dec.step(torch.tensor([5, 7]))

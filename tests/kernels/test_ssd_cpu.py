@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from sonata import kernels
+from sonata.kernels import dispatch
 from sonata.kernels import ssd as ssd_pkg
 from sonata.kernels.ssd import cpu as cpu_mod
 from sonata.kernels.ssd import cpu_recurrent
@@ -214,7 +215,9 @@ def test_triton_without_a_gpu_or_the_interpreter_falls_back_to_cpu_and_counts(mo
         got = ssd(*(t[k].float() for k in ("x", "dt", "A", "B", "C")), 8, backend="triton")
     assert kernels.fallback_count() == before + 1
     assert torch.equal(got, ssd(*(t[k].float() for k in ("x", "dt", "A", "B", "C")), 8, backend="cpu"))
-    monkeypatch.setattr(ssd_pkg, "_load_triton", lambda: (None, "ssd triton backend unavailable (test)"))
+    real = dispatch.load_backend
+    monkeypatch.setattr(dispatch, "load_backend", lambda name, label=None: (
+        (None, "ssd triton backend unavailable (test)") if name == "ssd.triton" else real(name, label)))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert ssd_pkg.resolve_backend("triton", t["x"]) == ("cpu", "ssd triton backend unavailable (test)")
     with pytest.raises(ValueError, match="unknown ssd backend"):

@@ -109,7 +109,7 @@ def test_cli_bench_json_names_the_leak():
     (["debug.leak=sometimes"], "debug.leak must be one of"),
 ])
 def test_cli_bench_bad_input_is_one_error_line(args, fragment):
-    from test_train import _assert_one_error_line
+    from conftest import _assert_one_error_line
     _assert_one_error_line(run_cli("bench", *args), fragment)
 
 
@@ -120,7 +120,7 @@ def test_single_process_commands_refuse_torchrun(command):
     import sys
 
     from conftest import REPO
-    from test_train import _assert_one_error_line
+    from conftest import _assert_one_error_line
     r = subprocess.run([sys.executable, "-m", "sonata", command], capture_output=True, text=True,
                        cwd=REPO, timeout=120, env={**os.environ, "WORLD_SIZE": "2"})
     _assert_one_error_line(r, f"'{command}' runs in one process, not under torchrun")

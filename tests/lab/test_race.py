@@ -13,6 +13,7 @@ from conftest import REPO, tiny_overrides
 from sonata.core.config import make_config
 from sonata.core.errors import ConfigError
 from sonata.lab.race import RACE, position_table, race_conclusion, speedrun
+from sonata.model import families
 from sonata.model.lm import build_model
 from sonata.train.trainer import Trainer
 
@@ -67,12 +68,15 @@ def test_the_gpt2_baseline_and_sonata_see_identical_batches():
 
 
 def test_gpt2_outside_the_language_model_race_is_one_config_error():
+    """The family table's check (sonata.model.families.validate, run by the Trainer and build_model)."""
     with pytest.raises(ConfigError, match="must divide model.d_model"):
-        make_config({"model.arch": "gpt2", "model.d_model": 30, "model.n_heads": 4})
+        families.validate(make_config({"model.arch": "gpt2", "model.d_model": 30, "model.n_heads": 4}))
     with pytest.raises(ConfigError, match="race's baseline; a task trains"):
-        make_config({"model.arch": "gpt2", "task.name": "induction"})
+        families.validate(make_config({"model.arch": "gpt2", "task.name": "induction"}))
     with pytest.raises(ConfigError, match="int8 needs a sonata model"):
-        make_config({"model.arch": "gpt2", "train.precision": "int8"})
+        families.validate(make_config({"model.arch": "gpt2", "train.precision": "int8"}))
+    with pytest.raises(ConfigError, match="race's baseline; a task trains"):
+        Trainer(make_config({"model.arch": "gpt2", "task.name": "induction"}))
 
 
 def test_the_race_runs_under_a_tiny_budget_and_names_its_winner():

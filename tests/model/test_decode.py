@@ -1,4 +1,4 @@
-"""The fast decoder (sonata.model.decode.Decoder, and its fused numba step sonata.kernels.decode_cpu)
+"""The fast decoder (sonata.model.decode.Decoder, and its fused numba step sonata.kernels.selective.decode_cpu)
 against the model's plain token-by-token reference, and generation built on it. numba is a
 dependency: a broken numba fails here instead of skipping."""
 import pytest
@@ -24,7 +24,7 @@ def test_decoder_matches_the_reference_step_and_parallel_forward():
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fused_decode_step_matches_the_torch_step(batch):
-    """The numba step (sonata.kernels.decode_cpu, used for float32 on CPU) against the torch
+    """The numba step (sonata.kernels.selective.decode_cpu, used for float32 on CPU) against the torch
     step it replaces, from the same prefill, over 50 tokens: logits and both states."""
     m = _sonata(seed=12)
     idx = _ids(batch, 60, seed=5)

@@ -177,7 +177,7 @@ def test_time_invariant_mixer_has_no_input_dependent_selection():
     for arch, varies in (("lti", False), ("mamba", True)):
         mix = MambaLM(ModelConfig(arch=arch, vocab_size=16, d_model=16, d_state=4)).layers[0].mixer
         x = torch.randn(2, 7, mix.cfg.d_inner)
-        delta, B, C = mix._ssm_inputs(x)
+        delta, B, C = mix.ssm_inputs(x)
         delta = delta + mix.delta_bias[:, None]
         same = all(torch.allclose(v, v[:1, ..., :1].expand_as(v)) for v in (delta, B, C))
         assert same != varies, arch
@@ -203,5 +203,5 @@ def test_attention_is_causal_and_rotary_keeps_relative_positions():
 @pytest.mark.parametrize("kind", ["lti", "attention"])
 def test_only_recurrent_models_generate(kind):
     m = MambaLM(ModelConfig(arch=kind, vocab_size=16, d_model=16))
-    with pytest.raises(ValueError, match="needs a recurrent model .* mamba or mamba2"):
+    with pytest.raises(ValueError, match="needs a recurrent model .* mamba, mamba2, mamba3"):
         m.generate(torch.zeros(1, 2, dtype=torch.long), 3)

@@ -14,6 +14,12 @@ GiB = 2**30
 
 
 # ---------------------------------------------------------------- autotuner
+def _autotune(tr, step):
+    """The autotuner on trainer `tr`'s state and plan, one measured step a candidate through `step`."""
+    return autotune_mod.autotune(step, tr.state_dict, tr.load_state_dict, profile=tr.profile, plan=tr.plan,
+                                 device=tr.device, seq_len=tr.cfg.data.seq_len, warmup=0, steps=1)
+
+
 class _FakePeak:
     """PeakSampler stand-in: the peak is 100 MiB per sequence of the running micro-batch."""
     micro_batch = 0                     # set by the step wrapper below
@@ -40,9 +46,8 @@ def test_autotuner_respects_cap_budget_and_divisibility(monkeypatch):
     def step(plan=None):
         _FakePeak.micro_batch = plan.micro_batch
         return real(plan)
-    monkeypatch.setattr(tr, "train_step", step)
     monkeypatch.setattr(autotune_mod, "PeakSampler", _FakePeak)
-    res = autotune_mod.autotune(tr, warmup=0, steps=1)
+    res = _autotune(tr, step)
     rows = {c["micro_batch"]: c for c in res.table}
     assert [m for m, c in rows.items() if c["status"] == "measured"] == [1, 2, 3, 4]
     assert rows[6]["status"] == "skipped" and "predicted" in rows[6]["note"]   # 600 MiB > 450
@@ -57,7 +62,7 @@ def test_autotuner_respects_cap_budget_and_divisibility(monkeypatch):
     assert cfg.train.micro_batch == 0                                          # the config as asked
 
 
-def test_autotuner_marks_out_of_memory_by_type(monkeypatch):
+def test_autotuner_marks_out_of_memory_by_type():
     cfg = make_config(tiny_overrides(**{"train.micro_batch": 0, "train.effective_batch": 8,
                                         "profile.candidates": "1,2,4,8"}))
     tr = Trainer(cfg, None, progress="none")
@@ -67,8 +72,7 @@ def test_autotuner_marks_out_of_memory_by_type(monkeypatch):
         if plan.micro_batch >= 4:
             raise torch.OutOfMemoryError("simulated: tried to allocate 1 GiB")
         return real(plan)
-    monkeypatch.setattr(tr, "train_step", step)
-    res = autotune_mod.autotune(tr, warmup=0, steps=1)
+    res = _autotune(tr, step)
     rows = {c["micro_batch"]: c for c in res.table}
     assert rows[4]["status"] == "oom" and not rows[4]["fits"]
     assert rows[8]["status"] in ("oom", "skipped") and not rows[8]["eligible"]

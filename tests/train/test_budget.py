@@ -60,7 +60,7 @@ def test_a_budgeted_run_stops_by_time_with_the_rate_at_its_floor(budgeted):
     out, tr, s = budgeted
     rows = tr.history
     steps_s = [r["step_s"] for r in rows]
-    assert s["stopped_by"] == "time" and s["steps"] == len(rows) > 0
+    assert s["stopped_by"] == tr.record.ended_by == "time" and s["steps"] == len(rows) > 0
     assert s["max_seconds"] == BUDGET
     # training time is the steps' own time (setup and evaluation excluded) ...
     assert s["train_seconds"] == pytest.approx(sum(steps_s), rel=1e-9)
@@ -93,7 +93,7 @@ def test_the_step_cap_ends_a_budgeted_run_when_it_comes_first(tmp_path):
                                          r"\(the learning rate had not reached its floor\); "
                                          r"train.max_steps=0 lifts the step cap"):
         s = tr.run()
-    assert s["steps"] == 3 and s["stopped_by"] == "steps" and 0 < s["train_seconds"] < 600
+    assert s["steps"] == 3 and s["stopped_by"] == tr.record.ended_by == "steps" and 0 < s["train_seconds"] < 600
     assert tr.history[-1]["lr"] > cfg.train.lr * cfg.train.min_lr_ratio
     assert all(r["progress"] < 1 for r in tr.history)
 

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from conftest import REPO, snapshot, tiny_overrides, train_in_process
 from sonata.__main__ import main
 from sonata.core import config as C
+from sonata.model import families
 
 EXAMPLES = int(os.environ.get("SONATA_FUZZ_EXAMPLES", "30"))
 FRESH_SEED = os.environ.get("SONATA_FUZZ_FRESH") == "1"      # make fuzz: a new draw each time
@@ -33,7 +34,7 @@ FRESH_SEED = os.environ.get("SONATA_FUZZ_FRESH") == "1"      # make fuzz: a new 
 # The run's length is the property's own (one step); the rest of the schema is drawn.
 FIXED = {"train.max_steps", "train.max_seconds", "train.decay_steps"}
 CHOICES = {
-    "model.arch": C.ARCHS + ("", "mamba4"),
+    "model.arch": families.ARCHS + ("", "mamba4"),
     "model.layers": ("", "mamba2,attention", "mamba,mamba3", "attention", "mamba2,,mamba", "gdn", ","),
     "model.backend": ("auto", "reference", "cpu", "triton", "", "cuda"),
     "model.a_param": ("log", "direct", ""),

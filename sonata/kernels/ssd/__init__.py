@@ -19,9 +19,12 @@ When a requested fast path cannot run (triton without a GPU or the interpreter, 
 importable, cpu asked for GPU tensors) the next best runs instead (cpu for CPU tensors, the
 reference otherwise) and sonata.kernels' process-wide fallback counter moves, warning once
 per reason. A sequence of length 0 returns at once (the initial state is the final one).
-The dispatch rules are sonata.kernels' (its device check, Triton checks and fallback counter):
-in particular `auto` choosing the Triton kernels for CUDA tensors warns once per process while
-they are not in sonata.kernels.GPU_VERIFIED (they have only run in Triton's interpreter).
+Which backend runs is sonata.kernels.dispatch's rule, the same for every family (`SSD` below:
+its extra `recurrent` backend, and `cpu` as the fallback for CPU tensors): in particular `auto`
+choosing the Triton kernels for CUDA tensors warns once per process while they are not in
+sonata.kernels.GPU_VERIFIED (they have only run in Triton's interpreter).
+The folder: reference.py (the oracles), cpu.py / cpu_fused.py / cpu_recurrent.py / cpu_steps.py
+(the numba backend), step.py (the one-token step), triton.py / triton_fwd.py / triton_bwd.py.
 """
 from __future__ import annotations
 
@@ -29,12 +32,14 @@ import math
 
 import torch
 
-from sonata import kernels as _dispatch          # the dispatcher's rules, one home for both families
+from sonata.kernels import dispatch
 from sonata.kernels.ssd.cpu import prefer_recurrent, ssd_cpu
 from sonata.kernels.ssd.reference import ssd_chunked_ref, ssd_recurrent_ref
 from sonata.kernels.ssd.step import ssd_step, ssd_step_ref
 
-BACKENDS = ("auto", "reference", "recurrent", "cpu", "triton")
+SSD = dispatch.Family("ssd", "ssd", cpu=None, triton="ssd.triton", label="ssd ", extra=("recurrent",),
+                      fallback="cpu", dtypes=None)          # check_inputs takes the dtypes
+BACKENDS = SSD.backends
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -78,24 +83,9 @@ def check_inputs(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initi
             bad(f"{name} is on {t.device}, x on {x.device}")
 
 
-def _load_triton():
-    """(module, None) or (None, why it cannot be imported); a module once imported is kept."""
-    return _dispatch.load_backend("ssd.triton", "ssd triton")
-
-
 def resolve_backend(backend: str, x: torch.Tensor) -> tuple[str, str | None]:
     """Which backend runs for tensors like x: (name, why it is not the requested one)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown ssd backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if backend in ("reference", "recurrent"):
-        return backend, None
-    if backend == "auto":
-        backend = "triton" if _dispatch.on_cuda(x) else "cpu"
-    on_cpu = x.device.type == "cpu"
-    if backend == "cpu":
-        return ("cpu", None) if on_cpu else ("reference", f"ssd cpu backend needs CPU tensors, got {x.device}")
-    mod, why = _dispatch.triton_module(x, _load_triton, "ssd triton")
-    return ("triton", None) if mod is not None else ("cpu" if on_cpu else "reference", why)
+    return dispatch.resolve(SSD, backend, x)
 
 
 def ssd(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=None, initial_states=None,
@@ -105,14 +95,14 @@ def ssd(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=None, initial_sta
     check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit)
     name, why = resolve_backend(backend, x)
     if why is not None:
-        _dispatch.record_fallback(why)
+        dispatch.record_fallback(why)
     args = (x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus,
             tuple(dt_limit), return_final_states)
     if x.shape[1] == 0:
         name = "recurrent"                              # nothing to compute
     if name == "triton":
-        _dispatch.triton_chosen("ssd", backend, x)
-        return _load_triton()[0].ssd_triton(*args)
+        dispatch.triton_chosen("ssd", backend, x)
+        return SSD.load_triton()[0].ssd_triton(*args)
     impl = {"reference": ssd_chunked_ref, "recurrent": ssd_recurrent_ref, "cpu": ssd_cpu}[name]
     return impl(*args[:5], chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
                 initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus,
@@ -154,7 +144,7 @@ def ssd_packed(xBC, dt, A, headdim, ngroups, dstate, chunk_size=64, D=None, dt_b
                 dt_limit=dt_limit, backend=backend)
     if norm is None:
         return y
-    from sonata.kernels import rms_norm_gated
+    from sonata.kernels import rms_norm_gated          # looked up here: a test may substitute it
     z, weight, eps = norm
     return rms_norm_gated(y.reshape(b, L, h * headdim), weight, z, eps, h * headdim // ngroups,
                           norm_before_gate=False, backend=backend)
@@ -162,6 +152,7 @@ def ssd_packed(xBC, dt, A, headdim, ngroups, dstate, chunk_size=64, D=None, dt_b
 
 __all__ = [
     "BACKENDS",
+    "SSD",
     "check_inputs",
     "resolve_backend",
     "ssd",

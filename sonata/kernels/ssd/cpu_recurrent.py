@@ -24,7 +24,7 @@ time from G_t, S_{t-1} and S_t:
 keeps one per T steps (the state a segment starts from, (b, L/T, h, p, n)); the backward
 walks the segments from last to first, recomputes the segment's T states from its
 checkpoint into a per-thread buffer, then runs the reverse step over them (Mamba-1's
-kernels do the same, `sonata/kernels/cpu_scan.py`). T = SEGMENT = 64.
+kernels do the same, `sonata/kernels/selective/cpu_kernels.py`). T = SEGMENT = 64.
 
 Layout for speed (benchmarks/ssd.py table 3; perf on the 2-core EPYC): the backward keeps
 its per-item buffers (dC_t, dB_t, copies of C_t and B_t, the adjoint, the segment's states)
@@ -34,15 +34,15 @@ were 15% of the backward, with one array they mostly go. The ungated and gated d
 are separate loops (a branch inside was computed for both, in float64: 11%). Together
 with the packed entry below, a training step of the seed-size N=64 model is 6-8% faster.
 
-Explicit vector steps (`cpu_steps.py`: `_fwd_rows`, `_rec_block`, `_rev_block`, numba
+Explicit vector steps (`cpu_steps.py`: `fwd_rows`, `rec_block`, `rev_block`, numba
 intrinsics that emit their vector loops, `cpu_simd.VectorIR`), where d_state is a multiple of the
 vector's lanes: the loops above are short (one row of n per state row, 32-64 rows per head and
 step), and LLVM versioned each behind its overlap checks and ended each with a horizontal sum,
 which together cost about what the work did. The vector steps take four rows at a time: B_t
 and C_t (and in the reverse step the dC_t and dB_t sums) stay in registers across them, their
-four row sums are reduced together (`VectorIR.hsum4`), and nothing is checked. Measured on the
-AVX-512 EPYC on one training step's own inputs (the seed model's N=64 layer, float32,
-interleaved, /tmp probe): forward 0.84x and backward 0.62x the loops' time. The loops stay for
+four row sums are reduced together (`VectorIR.hsum4`), and nothing is checked. What that buys
+shows in whole training steps: `python benchmarks/ssd.py --only-models` (docs/results.md, the
+SSD section). The loops stay for
 other sizes (and run in the tests: VECTOR). dB_t and dC_t add up in a contiguous per-item
 array, copied out once (they may be views of the packed gradient).
 
@@ -70,8 +70,8 @@ try:
     from numba import prange
 
     from sonata.kernels.cpu_simd import addr, for_workers, parallel_kernel, vector_lanes, workers
-    from sonata.kernels.ssd.cpu_steps import (_fwd_rows, _norm_backward_rows, _norm_forward_rows, _rec_block,
-                                              _rev_block)
+    from sonata.kernels.ssd.cpu_steps import (fwd_rows, norm_backward_rows, norm_forward_rows, rec_block,
+                                              rev_block)
 except ImportError:         # no numba: the chunked form runs (prefer_recurrent says no)
     prange = range
     parallel_kernel = None
@@ -106,7 +106,7 @@ def _forward(x, dte, A, B, C, starts, init, Dm, z, T, vec, nz, nw, eps, out, ypr
     state. init (b, h, p, n) or empty; Dm (h, p); z empty without a gate; starts (b, L) int8;
     vec: the explicit vector step (B and C C-contiguous, n a multiple of the lanes). With nz
     (b, L, h p, any strides; empty without): the gated norm too, yn = norm(y silu(nz)) nw over
-    each group's h/g heads (`_norm_forward_rows`), rstd (b, L, g) its 1/rms; out keeps y."""
+    each group's h/g heads (`norm_forward_rows`), rstd (b, L, g) its 1/rms; out keeps y."""
     nb, L, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     hg = h // g
@@ -135,7 +135,7 @@ def _forward(x, dte, A, B, C, starts, init, Dm, z, T, vec, nz, nw, eps, out, ypr
                     Xv[i] = dt * x[bi, t, hd, i]
                 if vec:
                     row = ((bi * L + t) * g + gi) * n
-                    _fwd_rows(addr(S, 0), addr(B, row), addr(C, row), addr(Xv, 0), addr(acc, 0), a, p, n)
+                    fwd_rows(addr(S, 0), addr(B, row), addr(C, row), addr(Xv, 0), addr(acc, 0), a, p, n)
                 else:
                     Bt, Ct = B[bi, t, gi], C[bi, t, gi]     # rows: the loops over n vectorize
                     for i in range(p):
@@ -157,7 +157,7 @@ def _forward(x, dte, A, B, C, starts, init, Dm, z, T, vec, nz, nw, eps, out, ypr
                         out[bi, t, hd, i] = y
             final[bi, hd] = S
         if nz.shape[0] > 0:                             # the item's rows, while in cache
-            _norm_forward_rows(out, nz, nw, eps, bi, gi, hg * p, yn, rstd)
+            norm_forward_rows(out, nz, nw, eps, bi, gi, hg * p, yn, rstd)
 
 
 @_kernel
@@ -167,7 +167,7 @@ def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T, vec, nz
     (written whole), dDp (b, h, p) partials of D per channel, dz (gated), dinit (b, h, p, n).
     dfinal (b, h, p, n) or empty. With nz (the forward's gated norm): dyn is the gradient of
     its output, and the item first writes its rows of dout (y's gradient), dnz and its
-    partial of the norm weight's gradient dnwp (b g, h p / g) (`_norm_backward_rows`)."""
+    partial of the norm weight's gradient dnwp (b g, h p / g) (`norm_backward_rows`)."""
     nb, L, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     hg = h // g
@@ -176,7 +176,7 @@ def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T, vec, nz
     for item in prange(nb * g):
         bi, gi = item // g, item % g
         if nz.shape[0] > 0:
-            _norm_backward_rows(y, nz, nw, rstd, dyn, bi, gi, hg * p, dout, dnz, dnwp[item])
+            norm_backward_rows(y, nz, nw, rstd, dyn, bi, gi, hg * p, dout, dnz, dnwp[item])
         W = np.empty((_G + p + (T + 1) * p, n), x.dtype)  # dC_t, dB_t, C_t, B_t, the adjoint, the states
         sb = _G + p                                      # S_{t0-1+k} row i is W[sb + k * p + i]
         av = np.empty(T, x.dtype)
@@ -210,7 +210,7 @@ def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T, vec, nz
                     if vec:
                         for i in range(p):
                             Xv[i] = dt * x[bi, t, hd, i]
-                        _rec_block(addr(W, (sb + k * p) * n), addr(W, (sb + (k + 1) * p) * n),
+                        rec_block(addr(W, (sb + k * p) * n), addr(W, (sb + (k + 1) * p) * n),
                                    addr(B, ((bi * L + t) * g + gi) * n), addr(Xv, 0), a, p, n)
                         continue
                     for i in range(p):
@@ -238,7 +238,7 @@ def _backward(x, dte, A, B, C, starts, Dm, z, ypre, dout, dfinal, ck, T, vec, nz
                     ddt = zero
                     if vec:
                         row = ((bi * L + t) * g + gi) * n
-                        da = _rev_block(addr(W, _G * n), addr(W, (sb + (k + 1) * p) * n), addr(W, (sb + k * p) * n),
+                        da = rev_block(addr(W, _G * n), addr(W, (sb + (k + 1) * p) * n), addr(W, (sb + k * p) * n),
                                         addr(C, row), addr(B, row), addr(dCi, t * n), addr(dBi, t * n),
                                         addr(dyv, 0), addr(Xv, 0), addr(axv, 0), a, p, n)
                         for i in range(p):

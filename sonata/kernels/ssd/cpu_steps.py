@@ -15,11 +15,11 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from sonata.kernels.cpu_simd import VectorIR, _sigmoid, _vec
+from sonata.kernels.cpu_simd import VectorIR, fast_sigmoid, VEC_FLAGS
 
 
 @intrinsic
-def _fwd_rows(typingctx, S, Bt, Ct, X, acc, a, p, n):
+def fwd_rows(typingctx, S, Bt, Ct, X, acc, a, p, n):
     """One head's forward step: S_i = a S_i + X_i B and acc_i = S_i . C for the p rows of S
     (p x n, rows contiguous); n a multiple of the lanes. Four rows at a time (B and C loaded
     once for them, the four sums reduced together: `VectorIR.hsum4`), the rest one by one."""
@@ -49,7 +49,7 @@ def _fwd_rows(typingctx, S, Bt, Ct, X, acc, a, p, n):
     return sig, codegen
 
 @intrinsic
-def _rec_block(typingctx, S0, S1, Bt, X, a, p, n):
+def rec_block(typingctx, S0, S1, Bt, X, a, p, n):
     """The backward's recomputation of one step: S1 = a S0 + X B^T (p x n blocks), the
     forward's arithmetic exactly; by columns of one vector, B's held in a register."""
     sig = types.void(S0, S1, Bt, X, a, p, n)
@@ -70,7 +70,7 @@ def _rec_block(typingctx, S0, S1, Bt, X, a, p, n):
     return sig, codegen
 
 @intrinsic
-def _rev_block(typingctx, G, S1, S0, Ct, Bt, DC, DB, dy, X, accx, a, p, n):
+def rev_block(typingctx, G, S1, S0, Ct, Bt, DC, DB, dy, X, accx, a, p, n):
     """One head's reverse step (the module docstring): with gs_i = G_i + dy_i C, adds
     sum_i dy_i S1_i to DC and sum_i X_i gs_i to DB, writes accx_i = gs_i . B and G_i = a gs_i,
     and returns <gs, S0>. Four rows at a time: C, B and the DC, DB sums in registers over
@@ -118,8 +118,8 @@ def _rev_block(typingctx, G, S1, S0, Ct, Bt, DC, DB, dy, X, accx, a, p, n):
 # dy = dv silu(z), dz = dv y silu'(z), dw = sum over rows of dyn v r (`cpu_norm`'s formulas).
 # Offsets into the rows are unsigned: with a signed run-time offset (`a[c0 + c]`) numba checks
 # every access for a negative index to wrap, and these loops ran 3.5-4x slower.
-@njit(**_vec)
-def _norm_forward_rows(y, nz, nw, eps, bi, gi, cg, yn, rstd):
+@njit(**VEC_FLAGS)
+def norm_forward_rows(y, nz, nw, eps, bi, gi, cg, yn, rstd):
     """yn[bi, :, group gi] and rstd[bi, :, gi] from y (b, L, h, p) and nz (b, L, h p)."""
     nb, L, h, p = y.shape
     y3 = y.reshape(nb, L, h * p)                   # C-contiguous views: the loops vectorize
@@ -133,7 +133,7 @@ def _norm_forward_rows(y, nz, nw, eps, bi, gi, cg, yn, rstd):
         for c in range(cu):
             zr[c] = nz[bi, t, c0 + c]
         for c in range(cu):         # alone: with a sum beside it the exponential's loop
-            sg[c] = _sigmoid(zr[c], one)                    # stayed scalar (3x slower)
+            sg[c] = fast_sigmoid(zr[c], one)                    # stayed scalar (3x slower)
         ss = np.zeros(1, y.dtype)[0]
         for c in range(cu):
             vc = y3[bi, t, c0 + c] * zr[c] * sg[c]
@@ -144,8 +144,8 @@ def _norm_forward_rows(y, nz, nw, eps, bi, gi, cg, yn, rstd):
         for c in range(cu):
             yn[bi, t, c0 + c] = v[c] * r * nw[c0 + c]
 
-@njit(**_vec)
-def _norm_backward_rows(y, nz, nw, rstd, dyn, bi, gi, cg, dy, dnz, dnw):
+@njit(**VEC_FLAGS)
+def norm_backward_rows(y, nz, nw, rstd, dyn, bi, gi, cg, dy, dnz, dnw):
     """dy[bi, :, group gi's heads] (the SSD's output gradient), dnz likewise, and dnw
     (cg,) the item's sum of the weight's gradient, from dyn (b, L, h p)."""
     nb, L, h, p = y.shape
@@ -165,7 +165,7 @@ def _norm_backward_rows(y, nz, nw, rstd, dyn, bi, gi, cg, dy, dnz, dnw):
         for c in range(cu):
             zr[c] = nz[bi, t, c0 + c]
         for c in range(cu):
-            sg[c] = _sigmoid(zr[c], one)
+            sg[c] = fast_sigmoid(zr[c], one)
         for c in range(cu):
             vc = y3[bi, t, c0 + c] * zr[c] * sg[c]
             v[c] = vc

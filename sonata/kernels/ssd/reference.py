@@ -27,9 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from sonata.kernels.dispatch import compute_dtype
 
 
 def prepare_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf)):

@@ -21,15 +21,15 @@ whole chunk, so longer chunks (mamba_ssm's default is 256) run as shorter ones: 
 fewer for wide states (Q * n <= 4096: 32 for n = 128). At Q = 256 ptxas spilled tens of
 kilobytes and the chunk-scan kernel had not compiled after 15 minutes.
 With a_t = dt_t A the log-decay of step t, inside a chunk:
-  1. `_dt_kernel`: dt (bias, softplus, clamp) and the whole chunk's decay G_c = exp(sum a);
-  2. `_chunk_state_kernel`: the chunk's own state, B^T (decay-to-end * dt * x), one dot;
-  3. `_state_pass_kernel`: S_{c+1} = G_c S_c + state_c from the initial state, sequential
+  1. `dt_kernel`: dt (bias, softplus, clamp) and the whole chunk's decay G_c = exp(sum a);
+  2. `chunk_state_kernel`: the chunk's own state, B^T (decay-to-end * dt * x), one dot;
+  3. `state_pass_kernel`: S_{c+1} = G_c S_c + state_c from the initial state, sequential
      over the chunks (short: L / Q steps); S_c, the state each chunk starts from, is stored;
-  4. `_chunk_scan_kernel`: y = ((C B^T) o decay) (dt x) + decay-from-start * (C S_c^T) + D x,
+  4. `chunk_scan_kernel`: y = ((C B^T) o decay) (dt x) + decay-from-start * (C S_c^T) + D x,
      then out = y * silu(z): three dots per (chunk, head, channel block).
-Backward, the same in reverse: `_dstate_kernel` (what each chunk's outputs ask of S_c),
-`_state_pass_bwd_kernel` (the reverse recurrence dS_c = G_c dS_{c+1} + E_c from dfinal,
-giving d initial_states and dG), `_chunk_bwd_kernel` (every gradient local to a chunk).
+Backward, the same in reverse: `dstate_kernel` (what each chunk's outputs ask of S_c),
+`state_pass_bwd_kernel` (the reverse recurrence dS_c = G_c dS_{c+1} + E_c from dfinal,
+giving d initial_states and dG), `chunk_bwd_kernel` (every gradient local to a chunk).
 The log-decay gradient: every exponent is a sum of a over a range of the chunk, so da_k
 collects the terms whose range holds step k, each family summed directly: the (Q, Q)
 segments [i, j] with j < k <= i (a reverse cumulative sum down the columns, then a masked
@@ -79,17 +79,18 @@ import torch
 import triton
 import triton.language as tl
 
-from sonata.kernels.ssd.reference import boundaries, compute_dtype
+from sonata.kernels.dispatch import compute_dtype
+from sonata.kernels.ssd.reference import boundaries
 from sonata.kernels.ssd.triton_bwd import (
-    _chunk_bwd_kernel,
-    _dstate_kernel,
-    _state_pass_bwd_kernel,
+    chunk_bwd_kernel,
+    dstate_kernel,
+    state_pass_bwd_kernel,
 )
 from sonata.kernels.ssd.triton_fwd import (
-    _chunk_scan_kernel,
-    _chunk_state_kernel,
-    _dt_kernel,
-    _state_pass_kernel,
+    chunk_scan_kernel,
+    chunk_state_kernel,
+    dt_kernel,
+    state_pass_kernel,
 )
 
 # Tests set this so every output and intermediate starts as NaN: an element a kernel
@@ -100,7 +101,7 @@ POISON_OUTPUTS = False
 MAX_CHUNK = 64
 
 # Whether these kernels run in Triton's CPU interpreter (fixed when triton was imported).
-INTERPRETED = type(_dt_kernel).__name__ == "InterpretedFunction"
+INTERPRETED = type(dt_kernel).__name__ == "InterpretedFunction"
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ def _acc(t: torch.Tensor):
     return tl.float64 if t.dtype == torch.float64 else tl.float32
 
 
-def _reset_counts(seq_idx, L, device):
+def reset_counts(seq_idx, L, device):
     """(b, l) int32: sequence starts at or before t (seq_idx changes between t-1 and t)."""
     starts = boundaries(seq_idx, L, device)
     return starts.to(torch.int32).cumsum(1, dtype=torch.int32).contiguous()
@@ -161,23 +162,23 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, init, rst, chunk, softplus, limit, c
     rst_ = rst if rst is not None else dt
     dt_p = _new((b, h, L), acc, dev)
     G = _new((b, h, nc), acc, dev)
-    _dt_kernel[(b, nc, triton.cdiv(h, cfg.block_h))](
+    dt_kernel[(b, nc, triton.cdiv(h, cfg.block_h))](
         dt, dt_bias if dt_bias is not None else dt, A, rst_, dt_p, G, L, h, chunk, nc, lo, hi,
         HAS_BIAS=dt_bias is not None, SOFTPLUS=softplus, HAS_LIMIT=lo > 0.0 or hi < math.inf,
         HAS_SEQ=rst is not None, BLOCK_Q=cfg.block_q, BLOCK_H=cfg.block_h, ACC=_acc(x))
     states = _new((b, nc, h, p, n), acc, dev)
-    _chunk_state_kernel[(b, nc, h * n_pb)](
+    chunk_state_kernel[(b, nc, h * n_pb)](
         x, B, dt_p, A, rst_, states, L, h, p, n, chunk, nc, h // g, n_pb,
         BLOCK_P=cfg.block_p, num_warps=cfg.num_warps, **flags)
     start = _new((b, nc, h, p, n), acc, dev)
     final = _new((b, h, p, n), acc, dev)
-    _state_pass_kernel[(b, h, n_pb)](
+    state_pass_kernel[(b, h, n_pb)](
         states, G, init if init is not None else states, start, final, h, p, n, nc, n_pb,
         HAS_INIT=init is not None, BLOCK_P=cfg.block_p, N_PAD=cfg.n_pad, ACC=_acc(x))
     del states
     out = _new((b, L, h, p), x.dtype, dev)
     y = _new((b, L, h, p), acc, dev) if z is not None else None
-    _chunk_scan_kernel[(b, nc, h * n_pb)](
+    chunk_scan_kernel[(b, nc, h * n_pb)](
         x, B, C, D if D is not None else x, z if z is not None else x, dt_p, A, rst_, start,
         out, y if y is not None else out, L, h, p, n, chunk, nc, h // g, n_pb,
         HAS_D=D is not None, HAS_Z=z is not None, BLOCK_P=cfg.block_p,
@@ -201,13 +202,13 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, init, rst, chunk, sof
     z_ = z if z is not None else x
 
     E = _new((b, nc, h, p, n), acc, dev)
-    _dstate_kernel[(b, nc, h * n_pb)](
+    dstate_kernel[(b, nc, h * n_pb)](
         dout, z_, C, dt_p, A, rst_, E, L, h, p, n, chunk, nc, h // g, n_pb,
         HAS_Z=z is not None, BLOCK_P=cfg.block_p, num_warps=cfg.num_warps, **flags)
     dnext = _new((b, nc, h, p, n), acc, dev)
     dG_part = _new((b, h, nc, n_pb), acc, dev)
     dinit = _new((b, h, p, n), acc, dev) if init is not None else None
-    _state_pass_bwd_kernel[(b, h, n_pb)](
+    state_pass_bwd_kernel[(b, h, n_pb)](
         E, G, start, dfinal, dnext, dG_part, dinit if dinit is not None else dG_part,
         h, p, n, nc, n_pb,
         HAS_INIT=init is not None, BLOCK_P=cfg.block_p, N_PAD=cfg.n_pad, ACC=_acc(x))
@@ -222,7 +223,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, init, rst, chunk, sof
     dA_part = _new((b, nc, h), acc, dev)
     dD_part = _new((b, nc, h, p), acc, dev) if D is not None else None
     dbias_part = _new((b, nc, h), acc, dev) if dt_bias is not None else None
-    _chunk_bwd_kernel[(b, nc, h)](
+    chunk_bwd_kernel[(b, nc, h)](
         x, dt, dt_bias if dt_bias is not None else dt, A, B, C, D if D is not None else x, z_,
         dout, y if y is not None else x, rst_, dt_p, G, start, dnext, dG,
         dx, dz if dz is not None else dx, ddt, dB_h, dC_h, dA_part,
@@ -335,7 +336,7 @@ def ssd_triton(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial
     if chunk_size < 1:
         raise ValueError(f"ssd_triton: chunk_size must be positive, got {chunk_size}")
     chunk_size = min(chunk_size, chunk_cap(n))
-    rst = _reset_counts(seq_idx, L, x.device) if seq_idx is not None and b * L else None
+    rst = reset_counts(seq_idx, L, x.device) if seq_idx is not None and b * L else None
     cfg = launch_config(chunk_size, h, p, n, block_p)
     out, final = SSDTriton.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, rst,
                                  chunk_size, bool(dt_softplus), tuple(dt_limit), cfg)

@@ -1,11 +1,11 @@
 """Triton SSD kernels, part 2: the three backward kernels (derivation in triton.py's docstring).
 
-    _dstate_kernel          E_c = sum_i exp(a_0 + .. + a_i) dy_i C_i^T: what chunk c's outputs
+    dstate_kernel          E_c = sum_i exp(a_0 + .. + a_i) dy_i C_i^T: what chunk c's outputs
                             ask of the state it starts from
-    _state_pass_bwd_kernel  the reverse recurrence dS_c = G_c dS_{c+1} + E_c from dfinal;
+    state_pass_bwd_kernel  the reverse recurrence dS_c = G_c dS_{c+1} + E_c from dfinal;
                             stores dS_{c+1} (the gradient of chunk c's own state) and the
                             per-tile partials of dG_c = <dS_{c+1}, S_c>
-    _chunk_bwd_kernel       everything local to one chunk: dx, dz, dD, dB, dC (per head),
+    chunk_bwd_kernel       everything local to one chunk: dx, dz, dD, dB, dC (per head),
                             and the log-decay gradient -> ddt, dA, ddt_bias
 """
 from __future__ import annotations
@@ -14,21 +14,21 @@ import triton
 import triton.language as tl
 
 from sonata.kernels.ssd.triton_fwd import (
-    _chunk_lanes,
-    _decay_from_start,
-    _decay_to_end,
-    _dt_chain,
-    _group_offsets,
-    _load,
-    _mm,
-    _reset_counts,
-    _segment_decay,
-    _sigmoid,
+    chunk_lanes,
+    decay_from_start,
+    decay_to_end,
+    dt_chain,
+    group_offsets,
+    load_tile,
+    mm,
+    reset_counts,
+    segment_decay,
+    sigmoid,
 )
 
 
 @triton.jit
-def _dstate_kernel(
+def dstate_kernel(
     DOUT, Z, C, DT, A, RST,                       # inputs
     E,                                            # output (b, n_chunks, h, p, n) ACC
     L, H, P, N, chunk, n_chunks, heads_per_group, n_pblocks,
@@ -43,25 +43,25 @@ def _dstate_kernel(
     offs_n = tl.arange(0, N_PAD)
     mask_p = offs_p < P
     mask_n = offs_n < N
-    t, real = _chunk_lanes(c, chunk, L, BLOCK_Q)
-    a = _load(DT, (b * H + h) * L + t, real, ACC) * tl.load(A + h).to(ACC)
-    r, r_prev, _ = _reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ, BLOCK_Q)
-    w = _decay_from_start(a, r == r_prev)
+    t, real = chunk_lanes(c, chunk, L, BLOCK_Q)
+    a = load_tile(DT, (b * H + h) * L + t, real, ACC) * tl.load(A + h).to(ACC)
+    r, r_prev, _ = reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ, BLOCK_Q)
+    w = decay_from_start(a, r == r_prev)
     mqp = real[:, None] & mask_p[None, :]
     xo = ((b * L + t) * H + h)[:, None] * P + offs_p[None, :]
-    dy = _load(DOUT, xo, mqp, ACC)
+    dy = load_tile(DOUT, xo, mqp, ACC)
     if HAS_Z:
-        z = _load(Z, xo, mqp, ACC)
-        dy = dy * z * _sigmoid(z)
-    go = _group_offsets(b, t, h, L, H, N, heads_per_group, offs_n)
-    Cm = _load(C, go, real[:, None] & mask_n[None, :], ACC)
-    e_c = _mm(tl.trans(dy * w[:, None]), Cm, ACC)                           # (BLOCK_P, N_PAD)
+        z = load_tile(Z, xo, mqp, ACC)
+        dy = dy * z * sigmoid(z)
+    go = group_offsets(b, t, h, L, H, N, heads_per_group, offs_n)
+    Cm = load_tile(C, go, real[:, None] & mask_n[None, :], ACC)
+    e_c = mm(tl.trans(dy * w[:, None]), Cm, ACC)                           # (BLOCK_P, N_PAD)
     offs = (((b * n_chunks + c) * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]
     tl.store(E + offs, e_c, mask=mask_p[:, None] & mask_n[None, :])
 
 
 @triton.jit
-def _state_pass_bwd_kernel(
+def state_pass_bwd_kernel(
     E, G, START, DFINAL,                          # inputs
     DNEXT, DG_PART, DINIT,                        # outputs (ACC)
     H, P, N, n_chunks, n_pblocks,
@@ -76,21 +76,21 @@ def _state_pass_bwd_kernel(
     offs_n = tl.arange(0, N_PAD)
     mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
     own = ((b * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]
-    dS = _load(DFINAL, own, mask, ACC)                                        # dS_{n_chunks}
+    dS = load_tile(DFINAL, own, mask, ACC)                                        # dS_{n_chunks}
     for ci in range(n_chunks):
         c = n_chunks - 1 - ci
         offs = (((b * n_chunks + c) * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]
         tl.store(DNEXT + offs, dS, mask=mask)                                 # dS_{c+1}
-        s0 = _load(START, offs, mask, ACC)
+        s0 = load_tile(START, offs, mask, ACC)
         tl.store(DG_PART + ((b * H + h) * n_chunks + c) * n_pblocks + pb,
                  tl.sum(tl.sum(dS * s0, 1), 0))
-        dS = tl.load(G + (b * H + h) * n_chunks + c) * dS + _load(E, offs, mask, ACC)
+        dS = tl.load(G + (b * H + h) * n_chunks + c) * dS + load_tile(E, offs, mask, ACC)
     if HAS_INIT:
         tl.store(DINIT + own, dS, mask=mask)                                  # dS_0
 
 
 @triton.jit
-def _chunk_bwd_kernel(
+def chunk_bwd_kernel(
     X, DT_IN, DT_BIAS, A, B, C, D, Z, DOUT, Y, RST, DT, G, START, DNEXT, DG,   # inputs
     DX, DZ, DDT, DB_H, DC_H, DA_PART, DD_PART, DBIAS_PART,                    # outputs
     L, H, P, N, chunk, n_chunks, heads_per_group, lo, hi,
@@ -107,47 +107,47 @@ def _chunk_bwd_kernel(
     offs_n = tl.arange(0, N_PAD)
     mask_p = offs_p < P
     mask_n = offs_n < N
-    t, real = _chunk_lanes(c, chunk, L, BLOCK_Q)
-    dt = _load(DT, (b * H + h) * L + t, real, ACC)
+    t, real = chunk_lanes(c, chunk, L, BLOCK_Q)
+    dt = load_tile(DT, (b * H + h) * L + t, real, ACC)
     A_h = tl.load(A + h).to(ACC)
     a = dt * A_h
-    r, r_prev, r_end = _reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ, BLOCK_Q)
-    w = _decay_from_start(a, r == r_prev)                                     # (Q,)
-    e = _decay_to_end(a, r == r_end)                                          # (Q,)
-    decay = _segment_decay(a, r, BLOCK_Q)                                     # (Q, Q)
+    r, r_prev, r_end = reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ, BLOCK_Q)
+    w = decay_from_start(a, r == r_prev)                                     # (Q,)
+    e = decay_to_end(a, r == r_end)                                          # (Q,)
+    decay = segment_decay(a, r, BLOCK_Q)                                     # (Q, Q)
 
     mqp = real[:, None] & mask_p[None, :]
     mqn = real[:, None] & mask_n[None, :]
     mpn = mask_p[:, None] & mask_n[None, :]
     xo = ((b * L + t) * H + h)[:, None] * P + offs_p[None, :]
-    go = _group_offsets(b, t, h, L, H, N, heads_per_group, offs_n)
-    x = _load(X, xo, mqp, ACC)                                                # (Q, P_PAD)
-    Bm = _load(B, go, mqn, ACC)                                               # (Q, N_PAD)
-    Cm = _load(C, go, mqn, ACC)
+    go = group_offsets(b, t, h, L, H, N, heads_per_group, offs_n)
+    x = load_tile(X, xo, mqp, ACC)                                                # (Q, P_PAD)
+    Bm = load_tile(B, go, mqn, ACC)                                               # (Q, N_PAD)
+    Cm = load_tile(C, go, mqn, ACC)
     so = (((b * n_chunks + c) * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]
-    S0 = _load(START, so, mpn, ACC)                                           # S_c (P_PAD, N_PAD)
-    dSn = _load(DNEXT, so, mpn, ACC)                                          # dS_{c+1}
+    S0 = load_tile(START, so, mpn, ACC)                                           # S_c (P_PAD, N_PAD)
+    dSn = load_tile(DNEXT, so, mpn, ACC)                                          # dS_{c+1}
 
-    dy = _load(DOUT, xo, mqp, ACC)
+    dy = load_tile(DOUT, xo, mqp, ACC)
     if HAS_Z:
-        z = _load(Z, xo, mqp, ACC)
-        sz = _sigmoid(z)
-        dz = dy * _load(Y, xo, mqp, ACC) * sz * (1.0 + z * (1.0 - sz))       # d silu(z) / dz
+        z = load_tile(Z, xo, mqp, ACC)
+        sz = sigmoid(z)
+        dz = dy * load_tile(Y, xo, mqp, ACC) * sz * (1.0 + z * (1.0 - sz))       # d silu(z) / dz
         tl.store(DZ + xo, dz.to(DZ.dtype.element_ty), mask=mqp)
         dy = dy * z * sz
 
     xdt = x * dt[:, None]
-    cb = _mm(Cm, tl.trans(Bm), ACC)                                           # (Q, Q) C_i . B_j
+    cb = mm(Cm, tl.trans(Bm), ACC)                                           # (Q, Q) C_i . B_j
     scores = cb * decay
-    dscores = _mm(dy, tl.trans(xdt), ACC)                                     # dy_i . xdt_j
+    dscores = mm(dy, tl.trans(xdt), ACC)                                     # dy_i . xdt_j
     dcb = dscores * decay
     dseg = dscores * scores                 # d Loss / d (a_{j+1} + .. + a_i) of entry [i, j]
-    bd = _mm(Bm, tl.trans(dSn), ACC)                                          # (Q, P_PAD)
-    dxdt = _mm(tl.trans(scores), dy, ACC) + e[:, None] * bd
+    bd = mm(Bm, tl.trans(dSn), ACC)                                          # (Q, P_PAD)
+    dxdt = mm(tl.trans(scores), dy, ACC) + e[:, None] * bd
     de = tl.sum(xdt * bd, 1)                                                  # d Loss / d e_j
-    dw = tl.sum(dy * _mm(Cm, tl.trans(S0), ACC), 1)                           # d Loss / d w_i
-    dC = _mm(dcb, Bm, ACC) + w[:, None] * _mm(dy, S0, ACC)                    # (Q, N_PAD)
-    dB = _mm(tl.trans(dcb), Cm, ACC) + e[:, None] * _mm(xdt, dSn, ACC)
+    dw = tl.sum(dy * mm(Cm, tl.trans(S0), ACC), 1)                           # d Loss / d w_i
+    dC = mm(dcb, Bm, ACC) + w[:, None] * mm(dy, S0, ACC)                    # (Q, N_PAD)
+    dB = mm(tl.trans(dcb), Cm, ACC) + e[:, None] * mm(xdt, dSn, ACC)
     ho = ((b * L + t) * H + h)[:, None] * N + offs_n[None, :]
     tl.store(DC_H + ho, dC, mask=mqn)
     tl.store(DB_H + ho, dB, mask=mqn)
@@ -167,16 +167,16 @@ def _chunk_bwd_kernel(
     part = (b * n_chunks + c) * H + h
     tl.store(DA_PART + part, tl.sum(tl.where(real, dt * da, 0.0), 0))
     ddt = tl.sum(x * dxdt, 1) + A_h * da
-    raw = _load(DT_IN, (b * L + t) * H + h, real, ACC)
+    raw = load_tile(DT_IN, (b * L + t) * H + h, real, ACC)
     if HAS_BIAS:
         raw += tl.load(DT_BIAS + h).to(ACC)
-    ddt = tl.where(real, _dt_chain(raw, ddt, lo, hi, SOFTPLUS, HAS_LIMIT), 0.0)
+    ddt = tl.where(real, dt_chain(raw, ddt, lo, hi, SOFTPLUS, HAS_LIMIT), 0.0)
     tl.store(DDT + (b * L + t) * H + h, ddt.to(DDT.dtype.element_ty), mask=real)
     if HAS_BIAS:
         tl.store(DBIAS_PART + part, tl.sum(ddt, 0))
 
     dx = dxdt * dt[:, None]
     if HAS_D:
-        dx += _load(D, h * P + offs_p, mask_p, ACC)[None, :] * dy
+        dx += load_tile(D, h * P + offs_p, mask_p, ACC)[None, :] * dy
         tl.store(DD_PART + part * P + offs_p, tl.sum(dy * x, 0), mask=mask_p)
     tl.store(DX + xo, dx.to(DX.dtype.element_ty), mask=mqp)

@@ -4,10 +4,10 @@ The algorithm, the grid, the layouts and the precision rules are explained once,
 docstring of sonata/kernels/ssd/triton.py (which launches these kernels). In short, per
 batch b, chunk c of Q steps and head h, with a_t = dt_t A_h the log-decays:
 
-    _dt_kernel           dt_t (bias, softplus, clamp; 0 past L) and the chunk decay G_c
-    _chunk_state_kernel  the chunk's own state  sum_j exp(a_{j+1} + .. + a_end) dt_j x_j B_j^T
-    _state_pass_kernel   S_{c+1} = G_c S_c + state_c from the initial state: each chunk's start
-    _chunk_scan_kernel   y_i = sum_{j<=i} (C_i.B_j) exp(a_{j+1} + .. + a_i) dt_j x_j
+    dt_kernel           dt_t (bias, softplus, clamp; 0 past L) and the chunk decay G_c
+    chunk_state_kernel  the chunk's own state  sum_j exp(a_{j+1} + .. + a_end) dt_j x_j B_j^T
+    state_pass_kernel   S_{c+1} = G_c S_c + state_c from the initial state: each chunk's start
+    chunk_scan_kernel   y_i = sum_{j<=i} (C_i.B_j) exp(a_{j+1} + .. + a_i) dt_j x_j
                                + exp(a_0 + .. + a_i) S_c C_i + D x_i, then y * silu(z)
 """
 from __future__ import annotations
@@ -26,19 +26,19 @@ def _helper(fn):
 # --------------------------------------------------------------------------- device helpers
 
 @_helper
-def _load(PTR, offs, mask, ACC: tl.constexpr):
+def load_tile(PTR, offs, mask, ACC: tl.constexpr):
     """Masked load converted to the accumulation dtype before any arithmetic (0 off the mask)."""
     return tl.load(PTR + offs, mask=mask, other=0.0).to(ACC)
 
 
 @_helper
-def _mm(a, b, ACC: tl.constexpr):
+def mm(a, b, ACC: tl.constexpr):
     """a @ b in ACC (IEEE float32, or float64): no TF32 rounding of the operands."""
     return tl.dot(a, b, input_precision="ieee", out_dtype=ACC)
 
 
 @_helper
-def _sigmoid(x):
+def sigmoid(x):
     e = tl.exp(-tl.abs(x))
     return tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
@@ -65,20 +65,20 @@ def _dt_value(raw, lo, hi, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr):
 
 
 @_helper
-def _dt_chain(raw, g, lo, hi, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr):
+def dt_chain(raw, g, lo, hi, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr):
     """d Loss / d raw from g = d Loss / d dt, through _dt_value (torch's conventions: the
     clamp passes the gradient on [lo, hi] inclusive; softplus' slope is 1 above 20)."""
     v = raw
     if SOFTPLUS:
         v = _softplus(raw)
-        g = g * tl.where(raw > 20.0, 1.0, _sigmoid(raw))
+        g = g * tl.where(raw > 20.0, 1.0, sigmoid(raw))
     if HAS_LIMIT:
         g = tl.where((v >= lo) & (v <= hi), g, 0.0)
     return g
 
 
 @_helper
-def _chunk_lanes(c, chunk, L, BLOCK_Q: tl.constexpr):
+def chunk_lanes(c, chunk, L, BLOCK_Q: tl.constexpr):
     """(t, real): the time index of each of the chunk's BLOCK_Q lanes, and which lanes are
     steps (lane < chunk and t < L); the others are padding, loaded as zeros."""
     q = tl.arange(0, BLOCK_Q)
@@ -87,14 +87,14 @@ def _chunk_lanes(c, chunk, L, BLOCK_Q: tl.constexpr):
 
 
 @_helper
-def _group_offsets(b, t, h, L, H, N, heads_per_group, offs_n):
+def group_offsets(b, t, h, L, H, N, heads_per_group, offs_n):
     """(Q, N_PAD) offsets of B[b, t, g] or C[b, t, g] for head h (group g = h // (h/g))."""
     row = (b * L + t) * (H // heads_per_group) + h // heads_per_group
     return row[:, None] * N + offs_n[None, :]
 
 
 @_helper
-def _reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ: tl.constexpr, BLOCK_Q: tl.constexpr):
+def reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ: tl.constexpr, BLOCK_Q: tl.constexpr):
     """(r, r_prev, r_end): RST[b, t] counts the sequence starts at or before t, so a decay
     from step j to step i survives exactly when r_i == r_j. r_prev is the count before the
     chunk (0 for the first), r_end the count at its last real step. All zeros without
@@ -113,20 +113,20 @@ def _reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ: tl.constexpr, BLOCK_Q: 
 
 
 @_helper
-def _decay_from_start(a, keep):
+def decay_from_start(a, keep):
     """exp(a_0 + .. + a_i): from the state the chunk starts from to step i (0 across a reset)."""
     return tl.where(keep, tl.exp(tl.cumsum(a, 0)), 0.0)
 
 
 @_helper
-def _decay_to_end(a, keep):
+def decay_to_end(a, keep):
     """exp(a_{j+1} + .. + a_end): from step j to the chunk's end (0 across a reset). Summed
     from the end (a reverse cumulative sum), not as a difference of prefix sums."""
     return tl.where(keep, tl.exp(tl.cumsum(a, 0, reverse=True) - a), 0.0)
 
 
 @_helper
-def _segment_decay(a, r, BLOCK_Q: tl.constexpr):
+def segment_decay(a, r, BLOCK_Q: tl.constexpr):
     """(Q, Q) causal decay matrix: [i, j] = exp(a_{j+1} + .. + a_i) for j <= i in the same
     sequence, else 0. Each segment is summed directly (a cumulative sum down the columns of
     a masked copy of a), so long chunks keep full precision."""
@@ -140,7 +140,7 @@ def _segment_decay(a, r, BLOCK_Q: tl.constexpr):
 # --------------------------------------------------------------------------- forward kernels
 
 @triton.jit
-def _dt_kernel(
+def dt_kernel(
     DT_IN, DT_BIAS, A, RST,                       # inputs: dt (b, l, h), dt_bias, A (h,), resets
     DT, G,                                        # outputs: dt (b, h, l) ACC, G (b, h, n_chunks)
     L, H, chunk, n_chunks, lo, hi,
@@ -152,21 +152,21 @@ def _dt_kernel(
     c = tl.program_id(1)
     offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
-    t, real = _chunk_lanes(c, chunk, L, BLOCK_Q)
+    t, real = chunk_lanes(c, chunk, L, BLOCK_Q)
     m = real[:, None] & mask_h[None, :]
-    raw = _load(DT_IN, (b * L + t)[:, None] * H + offs_h[None, :], m, ACC)
+    raw = load_tile(DT_IN, (b * L + t)[:, None] * H + offs_h[None, :], m, ACC)
     if HAS_BIAS:
-        raw = raw + _load(DT_BIAS, offs_h, mask_h, ACC)[None, :]
+        raw = raw + load_tile(DT_BIAS, offs_h, mask_h, ACC)[None, :]
     dt = tl.where(m, _dt_value(raw, lo, hi, SOFTPLUS, HAS_LIMIT), 0.0)
     tl.store(DT + (b * H + offs_h[None, :]) * L + t[:, None], dt, mask=m)
-    a_sum = tl.sum(dt * _load(A, offs_h, mask_h, ACC)[None, :], 0)          # (BLOCK_H,)
-    _, r_prev, r_end = _reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ, BLOCK_Q)
+    a_sum = tl.sum(dt * load_tile(A, offs_h, mask_h, ACC)[None, :], 0)          # (BLOCK_H,)
+    _, r_prev, r_end = reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ, BLOCK_Q)
     g = tl.where(r_end == r_prev, tl.exp(a_sum), 0.0)
     tl.store(G + (b * H + offs_h) * n_chunks + c, g, mask=mask_h)
 
 
 @triton.jit
-def _chunk_state_kernel(
+def chunk_state_kernel(
     X, B, DT, A, RST,                             # x (b, l, h, p), B (b, l, g, n), dt (b, h, l)
     STATES,                                       # output (b, n_chunks, h, p, n) ACC
     L, H, P, N, chunk, n_chunks, heads_per_group, n_pblocks,
@@ -181,22 +181,22 @@ def _chunk_state_kernel(
     offs_n = tl.arange(0, N_PAD)
     mask_p = offs_p < P
     mask_n = offs_n < N
-    t, real = _chunk_lanes(c, chunk, L, BLOCK_Q)
-    dt = _load(DT, (b * H + h) * L + t, real, ACC)
+    t, real = chunk_lanes(c, chunk, L, BLOCK_Q)
+    dt = load_tile(DT, (b * H + h) * L + t, real, ACC)
     a = dt * tl.load(A + h).to(ACC)
-    r, _, r_end = _reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ, BLOCK_Q)
-    e = _decay_to_end(a, r == r_end)
-    x = _load(X, ((b * L + t) * H + h)[:, None] * P + offs_p[None, :],
+    r, _, r_end = reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ, BLOCK_Q)
+    e = decay_to_end(a, r == r_end)
+    x = load_tile(X, ((b * L + t) * H + h)[:, None] * P + offs_p[None, :],
               real[:, None] & mask_p[None, :], ACC)                          # (Q, BLOCK_P)
-    Bm = _load(B, _group_offsets(b, t, h, L, H, N, heads_per_group, offs_n),
+    Bm = load_tile(B, group_offsets(b, t, h, L, H, N, heads_per_group, offs_n),
                real[:, None] & mask_n[None, :], ACC)                         # (Q, N_PAD)
-    st = _mm(tl.trans(x * (dt * e)[:, None]), Bm, ACC)                       # (BLOCK_P, N_PAD)
+    st = mm(tl.trans(x * (dt * e)[:, None]), Bm, ACC)                       # (BLOCK_P, N_PAD)
     offs = (((b * n_chunks + c) * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]
     tl.store(STATES + offs, st, mask=mask_p[:, None] & mask_n[None, :])
 
 
 @triton.jit
-def _state_pass_kernel(
+def state_pass_kernel(
     STATES, G, INIT,              # (b, n_chunks, h, p, n), (b, h, n_chunks), (b, h, p, n)
     START, FINAL,                 # outputs: START like STATES, FINAL like INIT (ACC)
     H, P, N, n_chunks, n_pblocks,
@@ -210,18 +210,18 @@ def _state_pass_kernel(
     mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
     own = ((b * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]
     if HAS_INIT:
-        S = _load(INIT, own, mask, ACC)
+        S = load_tile(INIT, own, mask, ACC)
     else:
         S = tl.zeros((BLOCK_P, N_PAD), dtype=ACC)
     for c in range(n_chunks):
         offs = (((b * n_chunks + c) * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]
         tl.store(START + offs, S, mask=mask)
-        S = tl.load(G + (b * H + h) * n_chunks + c) * S + _load(STATES, offs, mask, ACC)
+        S = tl.load(G + (b * H + h) * n_chunks + c) * S + load_tile(STATES, offs, mask, ACC)
     tl.store(FINAL + own, S, mask=mask)
 
 
 @triton.jit
-def _chunk_scan_kernel(
+def chunk_scan_kernel(
     X, B, C, D, Z, DT, A, RST, START,             # inputs
     OUT, Y,                                       # out (b, l, h, p) x's dtype; Y: y before the gate
     L, H, P, N, chunk, n_chunks, heads_per_group, n_pblocks,
@@ -236,29 +236,29 @@ def _chunk_scan_kernel(
     offs_n = tl.arange(0, N_PAD)
     mask_p = offs_p < P
     mask_n = offs_n < N
-    t, real = _chunk_lanes(c, chunk, L, BLOCK_Q)
-    dt = _load(DT, (b * H + h) * L + t, real, ACC)
+    t, real = chunk_lanes(c, chunk, L, BLOCK_Q)
+    dt = load_tile(DT, (b * H + h) * L + t, real, ACC)
     a = dt * tl.load(A + h).to(ACC)
-    r, r_prev, _ = _reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ, BLOCK_Q)
-    w = _decay_from_start(a, r == r_prev)                                     # (Q,)
-    decay = _segment_decay(a, r, BLOCK_Q)                                     # (Q, Q)
+    r, r_prev, _ = reset_counts(RST, b, c, chunk, L, t, real, HAS_SEQ, BLOCK_Q)
+    w = decay_from_start(a, r == r_prev)                                     # (Q,)
+    decay = segment_decay(a, r, BLOCK_Q)                                     # (Q, Q)
 
     mqp = real[:, None] & mask_p[None, :]
     mqn = real[:, None] & mask_n[None, :]
     xo = ((b * L + t) * H + h)[:, None] * P + offs_p[None, :]
-    go = _group_offsets(b, t, h, L, H, N, heads_per_group, offs_n)
-    x = _load(X, xo, mqp, ACC)                                                # (Q, BLOCK_P)
-    Bm = _load(B, go, mqn, ACC)                                               # (Q, N_PAD)
-    Cm = _load(C, go, mqn, ACC)
+    go = group_offsets(b, t, h, L, H, N, heads_per_group, offs_n)
+    x = load_tile(X, xo, mqp, ACC)                                                # (Q, BLOCK_P)
+    Bm = load_tile(B, go, mqn, ACC)                                               # (Q, N_PAD)
+    Cm = load_tile(C, go, mqn, ACC)
     so = (((b * n_chunks + c) * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]
-    S0 = _load(START, so, mask_p[:, None] & mask_n[None, :], ACC)             # (BLOCK_P, N_PAD)
+    S0 = load_tile(START, so, mask_p[:, None] & mask_n[None, :], ACC)             # (BLOCK_P, N_PAD)
 
-    scores = _mm(Cm, tl.trans(Bm), ACC) * decay * dt[None, :]                 # (Q, Q)
-    y = _mm(scores, x, ACC) + w[:, None] * _mm(Cm, tl.trans(S0), ACC)         # (Q, BLOCK_P)
+    scores = mm(Cm, tl.trans(Bm), ACC) * decay * dt[None, :]                 # (Q, Q)
+    y = mm(scores, x, ACC) + w[:, None] * mm(Cm, tl.trans(S0), ACC)         # (Q, BLOCK_P)
     if HAS_D:
-        y += _load(D, h * P + offs_p, mask_p, ACC)[None, :] * x
+        y += load_tile(D, h * P + offs_p, mask_p, ACC)[None, :] * x
     if HAS_Z:
         tl.store(Y + xo, y, mask=mqp)
-        z = _load(Z, xo, mqp, ACC)
-        y = y * z * _sigmoid(z)
+        z = load_tile(Z, xo, mqp, ACC)
+        y = y * z * sigmoid(z)
     tl.store(OUT + xo, y.to(OUT.dtype.element_ty), mask=mqp)

@@ -1,11 +1,11 @@
-"""The fused cross-entropy loss, forward and backward, in numba; `cross_entropy_ref` is its
-oracle, `sonata.kernels.cpu` its glue."""
+"""sonata/kernels/layers/cpu_loss.py: the fused cross-entropy loss, forward and backward, in
+numba; `cross_entropy_ref` (layers/reference.py) is its oracle, layers/cpu.py its glue."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
-from sonata.kernels.cpu_simd import parallel_kernel, WC, _vec, _exp, _take
+from sonata.kernels.cpu_simd import parallel_kernel, WC, VEC_FLAGS, fast_exp, take_item
 
 # --------------------------------------------------------------------------- cross-entropy
 
@@ -22,15 +22,15 @@ from sonata.kernels.cpu_simd import parallel_kernel, WC, _vec, _exp, _take
 CE_ROWS = 16
 
 
-@parallel_kernel(**_vec)
-def _cross_entropy_forward_kernel(logits, target, n_workers, loss_rows, ex, c):
+@parallel_kernel(**VEC_FLAGS)
+def cross_entropy_forward_kernel(logits, target, n_workers, loss_rows, ex, c):
     n, V = logits.shape
     n_items = -(-n // CE_ROWS)
     queue = np.zeros(1, np.int64)
     zero, one = logits.dtype.type(0), logits.dtype.type(1)
     for _ in prange(n_workers):
         lanes = np.empty(WC, logits.dtype)
-        item = _take(queue)
+        item = take_item(queue)
         while item < n_items:
             for i in range(item * CE_ROWS, min(n, (item + 1) * CE_ROWS)):
                 x, e = logits[i], ex[i]
@@ -47,26 +47,26 @@ def _cross_entropy_forward_kernel(logits, target, n_workers, loss_rows, ex, c):
                     m = lanes[w] if lanes[w] > m else m
                 s = zero
                 for j in range(V):
-                    ej = _exp(x[j] - m)
+                    ej = fast_exp(x[j] - m)
                     e[j] = ej
                     s += ej
                 loss_rows[i] = np.log(s) + m - x[target[i]]
                 c[i] = one / (n * s)
-            item = _take(queue)
+            item = take_item(queue)
 
 
-@parallel_kernel(**_vec)
-def _cross_entropy_backward_kernel(ex, c, target, g, n_workers, dx):
+@parallel_kernel(**VEC_FLAGS)
+def cross_entropy_backward_kernel(ex, c, target, g, n_workers, dx):
     n, V = ex.shape
     n_items = -(-n // CE_ROWS)
     queue = np.zeros(1, np.int64)
     g_row = g / n
     for _ in prange(n_workers):
-        item = _take(queue)
+        item = take_item(queue)
         while item < n_items:
             for i in range(item * CE_ROWS, min(n, (item + 1) * CE_ROWS)):
                 f = c[i] * g
                 for j in range(V):
                     dx[i, j] = ex[i, j] * f
                 dx[i, target[i]] -= g_row
-            item = _take(queue)
+            item = take_item(queue)

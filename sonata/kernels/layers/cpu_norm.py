@@ -1,11 +1,12 @@
-"""The fused RMSNorm and Mamba-2's gated, grouped RMSNorm, forward and backward, in numba;
-`rms_norm_ref` and `rms_norm_gated_ref` are their oracles, `sonata.kernels.cpu` their glue."""
+"""sonata/kernels/layers/cpu_norm.py: the fused RMSNorm and Mamba-2's gated, grouped RMSNorm,
+forward and backward, in numba; `rms_norm_ref` and `rms_norm_gated_ref` (layers/reference.py)
+are their oracles, layers/cpu.py their glue."""
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-from sonata.kernels.cpu_simd import _inline, _sigmoid, _vec
+from sonata.kernels.cpu_simd import INLINE_FLAGS, fast_sigmoid, VEC_FLAGS
 
 # --------------------------------------------------------------------------- RMSNorm
 
@@ -15,8 +16,8 @@ from sonata.kernels.cpu_simd import _inline, _sigmoid, _vec
 # Single-threaded (a few hundred KiB: a parallel pass would cost more to start than it saves),
 # rows in order, so dw sums in a fixed order: deterministic.
 
-@njit(**_vec)
-def _rms_norm_forward_kernel(x, w, eps, out, rstd):
+@njit(**VEC_FLAGS)
+def rms_norm_forward_kernel(x, w, eps, out, rstd):
     rows, d = x.shape
     for i in range(rows):
         ss = x.dtype.type(0)
@@ -28,8 +29,8 @@ def _rms_norm_forward_kernel(x, w, eps, out, rstd):
             out[i, j] = x[i, j] * r * w[j]
 
 
-@njit(**_vec)
-def _rms_norm_backward_kernel(dout, x, w, rstd, dx, dw):
+@njit(**VEC_FLAGS)
+def rms_norm_backward_kernel(dout, x, w, rstd, dx, dw):
     rows, d = x.shape
     dw[:] = 0
     for i in range(rows):
@@ -56,7 +57,7 @@ def _rms_norm_backward_kernel(dout, x, w, rstd, dx, dw):
 # with silu'(z) = sigmoid(z) (1 + z (1 - sigmoid(z))). Inputs in any strides (z a slice of
 # in_proj's output, read in place); single-threaded, rows in order: dw sums in a fixed order, deterministic.
 
-@njit(**_inline)
+@njit(**INLINE_FLAGS)
 def _load_row(a, i, d, row):
     """row[:] = a[i, :d]: rows of any stride (z is a slice of in_proj's output) copied into
     contiguous scratch, so that the loops over channels vectorize."""
@@ -64,17 +65,17 @@ def _load_row(a, i, d, row):
         row[j] = a[i, j]
 
 
-@njit(**_inline)
+@njit(**INLINE_FLAGS)
 def _gate_row(zr, d, one, s, sig):
     """s = silu(z), sig = sigmoid(z) over a row's d channels."""
     for j in range(d):
-        sg = _sigmoid(zr[j], one)
+        sg = fast_sigmoid(zr[j], one)
         sig[j] = sg
         s[j] = zr[j] * sg
 
 
-@njit(**_vec)
-def _rms_norm_gated_forward_kernel(x, z, w, eps, gs, has_z, before, out, rstd):
+@njit(**VEC_FLAGS)
+def rms_norm_gated_forward_kernel(x, z, w, eps, gs, has_z, before, out, rstd):
     # x, z: (rows, d) any strides   out: (rows, d) C-contiguous   w: (d,)   rstd: (rows, d // gs)
     rows, d = x.shape
     one = x.dtype.type(1)
@@ -111,8 +112,8 @@ def _rms_norm_gated_forward_kernel(x, z, w, eps, gs, has_z, before, out, rstd):
                     o[j0 + j] = v[j0 + j] * r * wr[j0 + j]
 
 
-@njit(**_vec)
-def _rms_norm_gated_backward_kernel(dout, x, z, w, rstd, gs, has_z, before, dx, dz, dw):
+@njit(**VEC_FLAGS)
+def rms_norm_gated_backward_kernel(dout, x, z, w, rstd, gs, has_z, before, dx, dz, dw):
     # dout, x, z: (rows, d) any strides   dx, dz: (rows, d) C-contiguous   w, dw: (d,)
     # rstd: (rows, d // gs)
     rows, d = x.shape

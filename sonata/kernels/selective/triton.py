@@ -1,6 +1,7 @@
-"""Fused Triton kernels for the selective scan: forward and backward.
+"""sonata/kernels/selective/triton.py: the fused Triton kernels of the Mamba-1 selective scan:
+forward and backward.
 
-Semantics are exactly those of `selective_scan_ref` (sonata/kernels/reference.py): the
+Semantics are exactly those of `selective_scan_ref` (selective/reference.py): the
 recurrence h_t = exp(dt_t A) h_{t-1} + dt_t u_t B_t, y_t = C_t . h_t + D u_t, gated by
 silu(z), written out with its backward in docs/kernels.md.
 
@@ -62,7 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sonata.kernels.reference import compute_dtype
+from sonata.kernels.dispatch import compute_dtype
 
 # Tests set this to fill every output and partial with NaN before the kernels
 # run, so an element a kernel forgets to write cannot pass a comparison.

@@ -1,4 +1,5 @@
-"""One fused numba call per generated token on CPU: every layer, the final norm and the head.
+"""sonata/kernels/selective/decode_cpu.py: the Mamba-1 model's one-token fused decode: one numba
+call per generated token on CPU, every layer, the final norm and the head.
 
 `sonata.model.decode.Decoder._step` runs a token through ~45 tiny torch ops; at the seed size
 (d_model 96) each costs more in dispatch than in arithmetic. `step` here does the same
@@ -24,23 +25,23 @@ over the transposed weights: the inner loops are contiguous and vectorize, and f
 every weight row is read once for all the sequences. The decays exp(dt * A) of a sequence
 are computed first, in one flat loop over its (di, n) entries that vectorizes. exp and
 softplus are the scan kernels' float32 versions (sonata.kernels.cpu_simd: < 1 ulp, and < 2e-9
-relative, from libm's); the compile flags are theirs too (`_vec`: sums may be reassociated
+relative, from libm's); the compile flags are theirs too (`VEC_FLAGS`: sums may be reassociated
 and multiply-adds fused, so results differ from the torch step's by float32 rounding).
 Single-threaded: at these sizes a thread pool's fork/join
 costs more than a step. Compiled on first use, cached on disk (`cache=True`; the cache is keyed
-by every kernel source, `numba_cache`, since the step embeds cpu.py's helpers).
+by every kernel source, `numba_cache`, since the step embeds cpu_simd.py's helpers).
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-from sonata.kernels.cpu_simd import _exp_f32, _softplus_f32, _vec
+from sonata.kernels.cpu_simd import fast_exp_f32, fast_softplus_f32, VEC_FLAGS
 
 _ONE = np.float32(1.0)
 
 
-@njit(**_vec)
+@njit(**VEC_FLAGS)
 def _rms_norm_rows(h, w, eps, out):
     """out[b] = h[b] * rsqrt(mean(h[b]^2) + eps) * w."""
     nb, d = h.shape
@@ -53,7 +54,7 @@ def _rms_norm_rows(h, w, eps, out):
             out[b, i] = h[b, i] * r * w[i]
 
 
-@njit(**_vec)
+@njit(**VEC_FLAGS)
 def _matvec_rows(v, wt, out, accumulate):
     """out[b] (+)= v[b] @ wt for every row b; wt (n_in, n_out) contiguous."""
     nb = v.shape[0]
@@ -71,7 +72,7 @@ def _matvec_rows(v, wt, out, accumulate):
                 ob[o] += s * row[o]
 
 
-@njit(**_vec)
+@njit(**VEC_FLAGS)
 def step(idx, slot, emb, norm_w, eps, in_wt, conv_w, conv_b, x_wt, dt_wt, dt_b, A, D, out_wt,
          head_t, conv, ssm, logits):
     """One token for every sequence, in place.
@@ -117,7 +118,7 @@ def step(idx, slot, emb, norm_w, eps, in_wt, conv_w, conv_b, x_wt, dt_wt, dt_b, 
                     xc[b, c] += cw[t, c] * cv[b, s, c]
             for c in range(di):
                 v = xc[b, c]
-                xc[b, c] = v / (_ONE + _exp_f32(-v))          # silu
+                xc[b, c] = v / (_ONE + fast_exp_f32(-v))          # silu
         _matvec_rows(xc, x_wt[l], xdbl, False)
         for b in range(nb):
             for j in range(r):
@@ -130,13 +131,13 @@ def step(idx, slot, emb, norm_w, eps, in_wt, conv_w, conv_b, x_wt, dt_wt, dt_b, 
                 Bv[j] = xdbl[b, r + j]
                 Cv[j] = xdbl[b, r + n + j]
             for c in range(di):
-                dtv[c] = _softplus_f32(dt[b, c] + dbl[c])
+                dtv[c] = fast_softplus_f32(dt[b, c] + dbl[c])
             # the decays first, in one flat loop that vectorizes (exp inlined W lanes at a time)
             for c in range(di):
                 for j in range(n):
                     dA[c, j] = dtv[c] * Al[c, j]
             for i in range(di * n):
-                dA_flat[i] = _exp_f32(dA_flat[i])
+                dA_flat[i] = fast_exp_f32(dA_flat[i])
             for c in range(di):
                 u = xc[b, c]
                 dtu = dtv[c] * u
@@ -146,7 +147,7 @@ def step(idx, slot, emb, norm_w, eps, in_wt, conv_w, conv_b, x_wt, dt_wt, dt_b, 
                     hs[c, j] = hj
                     acc += hj * Cv[j]
                 zc = xz[b, di + c]
-                y[b, c] = (acc + Dl[c] * u) * (zc / (_ONE + _exp_f32(-zc)))     # * silu(z)
+                y[b, c] = (acc + Dl[c] * u) * (zc / (_ONE + fast_exp_f32(-zc)))     # * silu(z)
         _matvec_rows(y, out_wt[l], h, True)
     _rms_norm_rows(h, norm_w[n_layers], eps[n_layers], hn)
     _matvec_rows(hn, head_t, logits, False)

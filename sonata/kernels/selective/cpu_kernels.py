@@ -1,7 +1,8 @@
-"""Fused numba CPU kernels for the selective scan: forward and hand-written backward.
-(The torch glue that calls them is `sonata.kernels.cpu`; the shared maths `cpu_simd`.)
+"""sonata/kernels/selective/cpu_kernels.py: the fused numba CPU kernels of the Mamba-1 selective
+scan: forward and hand-written backward. (The torch glue that calls them is selective/cpu.py; the
+shared maths sonata/kernels/cpu_simd.py.)
 
-Semantics are exactly those of `selective_scan_ref` (sonata/kernels/reference.py): the
+Semantics are exactly those of `selective_scan_ref` (selective/reference.py): the
 recurrence h_t = exp(dt_t A) h_{t-1} + dt_t u_t B_t, y_t = C_t . h_t + D u_t, gated by
 silu(z), written out with its backward in docs/kernels.md.
 
@@ -54,7 +55,7 @@ and the matmuls of the projection (three per layer and step, with K or N = R: sl
 are gone. Measured at the seed model's size: dt_proj's three matmuls and two transposed
 copies per layer gone from the step's profile, the step 2-3% faster.
 
-Determinism. No atomics in the arithmetic (the work queue, `cpu_simd._take`, only hands out work
+Determinism. No atomics in the arithmetic (the work queue, `cpu_simd.take_item`, only hands out work
 items) and no data-dependent summation order. The backward is parallel over
 (batch, group of blocks): a fixed partition of the channel blocks into groups that
 depends on the shapes only (not on the thread count). One item owns all the
@@ -78,7 +79,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from sonata.kernels.cpu_simd import parallel_kernel, W, _jit, _vec, _inline, _exp, _softplus, _sigmoid, _take
+from sonata.kernels.cpu_simd import parallel_kernel, W, JIT_FLAGS, VEC_FLAGS, INLINE_FLAGS, fast_exp, fast_softplus, fast_sigmoid, take_item
 
 # Moving a block between the (batch, dim, L) tensors and the lane-contiguous (T, W) chunk
 # buffers is a transposition. It runs as a plain copy in its own (not inlined) function,
@@ -92,7 +93,7 @@ from sonata.kernels.cpu_simd import parallel_kernel, W, _jit, _vec, _inline, _ex
 # channel count, such loops measured 3.6-4.3x slower; an earlier attempt at time-major
 # arrays, written that way, had measured the scan 1.2-1.9x slower than copying).
 
-@njit(**_jit)
+@njit(**JIT_FLAGS)
 def _load_block(x, tm, b, d0, nw, t0, T, buf):
     """buf[i, w] = x[b, d0 + w, t0 + i], or x[b, t0 + i, d0 + w] when `tm` (x time-major:
     (batch, L, dim)); 0 in the lanes w >= nw (past the last channel)."""
@@ -114,7 +115,7 @@ def _load_block(x, tm, b, d0, nw, t0, T, buf):
             buf[i, w] = 0
 
 
-@njit(**_jit)
+@njit(**JIT_FLAGS)
 def _store_block(buf, x, tm, b, d0, nw, t0, T):
     """x[b, d0 + w, t0 + i] (x[b, t0 + i, d0 + w] when `tm`) = buf[i, w] for the lanes w < nw."""
     if tm and nw == W:
@@ -131,7 +132,7 @@ def _store_block(buf, x, tm, b, d0, nw, t0, T):
                 x[b, d0 + w, t0 + i] = buf[i, w]
 
 
-@njit(**_inline)
+@njit(**INLINE_FLAGS)
 def _block_dt(delta, Wb, u, u_tm, delta_bias, softplus, b, d0, nw, t0, T, dtb, ub, dtub, dspb, want_dsp):
     """Per-step lanes of a block over a chunk: dtb = softplus(delta + bias) (or delta + bias),
     ub = u, dtub = dt * u, dspb = softplus'(delta + bias) if want_dsp and softplus.
@@ -162,11 +163,11 @@ def _block_dt(delta, Wb, u, u_tm, delta_bias, softplus, b, d0, nw, t0, T, dtb, u
         for i in range(T):
             for w in range(W):
                 x = dtb[i, w] + bias[w]
-                dt = _softplus(x) if w < nw else zero
+                dt = fast_softplus(x) if w < nw else zero
                 dtb[i, w] = dt
                 dtub[i, w] = dt * ub[i, w]
                 if want_dsp:
-                    dspb[i, w] = one if x > twenty else _sigmoid(x, one)
+                    dspb[i, w] = one if x > twenty else fast_sigmoid(x, one)
     else:
         for i in range(T):
             for w in range(W):
@@ -177,7 +178,7 @@ def _block_dt(delta, Wb, u, u_tm, delta_bias, softplus, b, d0, nw, t0, T, dtb, u
                     dspb[i, w] = one
 
 
-@njit(**_inline)
+@njit(**INLINE_FLAGS)
 def _block_params(A, D, dtw, d0, nw, Ab, Db, Wb):
     """Ab[n, w] = A[d0 + w, n], Db[w] = D[d0 + w], Wb[r, w] = dtw[d0 + w, r]; 0 past the last
     channel."""
@@ -194,8 +195,8 @@ def _block_params(A, D, dtw, d0, nw, Ab, Db, Wb):
 
 # --------------------------------------------------------------------------- forward
 
-@parallel_kernel(**_vec)
-def _forward_kernel(u, u_tm, delta, dtw, A, Bt, Ct, D, z, delta_bias, softplus, has_z, h0, has_h0,
+@parallel_kernel(**VEC_FLAGS)
+def scan_forward_kernel(u, u_tm, delta, dtw, A, Bt, Ct, D, z, delta_bias, softplus, has_z, h0, has_h0,
                     chunk, n_workers, out, last_state, ckpt):
     # u: (batch, dim, L), or time-major (batch, L, dim) when u_tm   z: (batch, dim, L)
     # delta: (batch, dim, L), or (batch, L, R) with dtw (dim, R), R > 0 (the delta projection;
@@ -215,7 +216,7 @@ def _forward_kernel(u, u_tm, delta, dtw, A, Bt, Ct, D, z, delta_bias, softplus, 
         Wb = np.empty((dtw.shape[1], W), dtype=u.dtype)
         lanes = np.empty((6, chunk + 1, W), dtype=u.dtype)
         dtb, ub, dtub, yb, zb, spare = lanes[0], lanes[1], lanes[2], lanes[3], lanes[4], lanes[5]
-        item = _take(queue)
+        item = take_item(queue)
         while item < n_items:
             b = item // n_blocks
             k = item - b * n_blocks
@@ -244,7 +245,7 @@ def _forward_kernel(u, u_tm, delta, dtw, A, Bt, Ct, D, z, delta_bias, softplus, 
                         B_n = Bt[b, t0 + i, n]
                         C_n = Ct[b, t0 + i, n]
                         for w in range(W):
-                            h_n = _exp(dtb[i, w] * Ab[n, w]) * h[n, w] + dtub[i, w] * B_n
+                            h_n = fast_exp(dtb[i, w] * Ab[n, w]) * h[n, w] + dtub[i, w] * B_n
                             h[n, w] = h_n
                             y[w] += C_n * h_n
                 if has_z:
@@ -252,7 +253,7 @@ def _forward_kernel(u, u_tm, delta, dtw, A, Bt, Ct, D, z, delta_bias, softplus, 
                     for i in range(T):
                         for w in range(W):
                             z_i = zb[i, w]
-                            yb[i, w] = (yb[i, w] + Db[w] * ub[i, w]) * (z_i * _sigmoid(z_i, one))
+                            yb[i, w] = (yb[i, w] + Db[w] * ub[i, w]) * (z_i * fast_sigmoid(z_i, one))
                 else:
                     for i in range(T):
                         for w in range(W):
@@ -261,12 +262,12 @@ def _forward_kernel(u, u_tm, delta, dtw, A, Bt, Ct, D, z, delta_bias, softplus, 
             for w in range(nw):
                 for n in range(N):
                     last_state[b, d0 + w, n] = h[n, w]
-            item = _take(queue)
+            item = take_item(queue)
 
 
 # --------------------------------------------------------------------------- backward
 
-@parallel_kernel(**_jit)
+@parallel_kernel(**JIT_FLAGS)
 def _reduce_partials(dA_part, dD_part, ddb_part, dW_part, dB_part, dC_part, dX_part, chunk,
                      n_workers, dA, dD, ddb, dW, dB, dC, dX):
     """Sum the partials in a fixed order.
@@ -282,7 +283,7 @@ def _reduce_partials(dA_part, dD_part, ddb_part, dW_part, dB_part, dC_part, dX_p
     for _w in prange(n_workers):
         acc = np.empty((2, N), dtype=dB.dtype)
         acc_B, acc_C = acc[0], acc[1]
-        item = _take(queue)
+        item = take_item(queue)
         while item < n_items:
             if item < dim:
                 d = item
@@ -322,11 +323,11 @@ def _reduce_partials(dA_part, dD_part, ddb_part, dW_part, dB_part, dC_part, dX_p
                         for k in range(1, n_groups):
                             a += dX_part[b, k, t, r]
                         dX[b, t, r] = a
-            item = _take(queue)
+            item = take_item(queue)
 
 
-@parallel_kernel(**_vec)
-def _backward_kernel(dout, dout_tm, dlast, u, u_tm, delta, dtw, A, Bt, Ct, D, z, delta_bias,
+@parallel_kernel(**VEC_FLAGS)
+def scan_backward_kernel(dout, dout_tm, dlast, u, u_tm, delta, dtw, A, Bt, Ct, D, z, delta_bias,
                      softplus, has_z, chunk, ckpt, n_groups, n_workers,
                      du, ddelta, dz, dA, dB, dC, dD, ddb, dW, dX, dh0, want_dh0):
     # dout, u: (batch, dim, L), or time-major (batch, L, dim) when dout_tm / u_tm
@@ -367,7 +368,7 @@ def _backward_kernel(dout, dout_tm, dlast, u, u_tm, delta, dtw, A, Bt, Ct, D, z,
         # the y update below made conditional on has_z, measured the backward ~2x slower.
         acc = np.empty((5, W), dtype=u.dtype)
         Db, s_bg, s_aq, dD_acc, ddb_acc = acc[0], acc[1], acc[2], acc[3], acc[4]
-        item = _take(queue)
+        item = take_item(queue)
         while item < n_items:
             b = item // n_groups
             k = item - b * n_groups
@@ -407,7 +408,7 @@ def _backward_kernel(dout, dout_tm, dlast, u, u_tm, delta, dtw, A, Bt, Ct, D, z,
                             B_n = Bt[b, t0 + i, n]
                             C_n = Ct[b, t0 + i, n]
                             for w in range(W):
-                                a = _exp(dtb[i, w] * Ab[n, w])
+                                a = fast_exp(dtb[i, w] * Ab[n, w])
                                 a_i[n, w] = a
                                 h_n = a * h_prev[n, w] + dtub[i, w] * B_n
                                 h_next[n, w] = h_n
@@ -420,7 +421,7 @@ def _backward_kernel(dout, dout_tm, dlast, u, u_tm, delta, dtw, A, Bt, Ct, D, z,
                             for w in range(W):
                                 y_i = yb[i, w] + Db[w] * ub[i, w]
                                 z_i = zb[i, w]
-                                s = _sigmoid(z_i, one)
+                                s = fast_sigmoid(z_i, one)
                                 dout_i = dyb[i, w]
                                 yb[i, w] = dout_i * y_i * (s * (one + z_i * (one - s)))   # dz
                                 dyb[i, w] = dout_i * (z_i * s)
@@ -480,6 +481,6 @@ def _backward_kernel(dout, dout_tm, dlast, u, u_tm, delta, dtw, A, Bt, Ct, D, z,
                         dA_part[b, d0 + w, n] = dAb[n, w]
                     dD_part[b, d0 + w] = dD_acc[w]
                     ddb_part[b, d0 + w] = ddb_acc[w]
-            item = _take(queue)
+            item = take_item(queue)
     _reduce_partials(dA_part, dD_part, ddb_part, dW_part, dB_part, dC_part, dX_part, chunk,
                      n_workers, dA, dD, ddb, dW, dB, dC, dX)

@@ -1,11 +1,12 @@
-"""The fused depthwise causal convolution + SiLU (and the gate moved into the scan's layout),
-forward and backward, in numba; `conv_silu_ref` is its oracle, `sonata.kernels.cpu` its glue."""
+"""sonata/kernels/layers/cpu_conv.py: the fused depthwise causal convolution + SiLU (and the gate
+moved into the scan's layout), forward and backward, in numba; `conv_silu_ref`
+(layers/reference.py) is its oracle, layers/cpu.py its glue."""
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from sonata.kernels.cpu_simd import parallel_kernel, WC, _jit, _vec, _inline, _sigmoid, _take
+from sonata.kernels.cpu_simd import parallel_kernel, WC, JIT_FLAGS, VEC_FLAGS, INLINE_FLAGS, fast_sigmoid, take_item
 
 # --------------------------------------------------------------------------- depthwise conv + SiLU
 
@@ -26,7 +27,7 @@ from sonata.kernels.cpu_simd import parallel_kernel, WC, _jit, _vec, _inline, _s
 # Without move_z the kernels are the convolution alone, over any number of channels (Mamba-2's
 # conv over x, B and C, wider than its gate).
 
-@njit(**_inline)
+@njit(**INLINE_FLAGS)
 def _conv_item(item, n_blocks, x, K, xb):
     """Work item -> (sequence b, first channel d0, channels nw) of its block of WC channels,
     with the block's input rows loaded into xb (xb[v, K - 1 + t] = x[b, t, d0 + v], with K - 1
@@ -47,7 +48,7 @@ def _conv_item(item, n_blocks, x, K, xb):
 # block is full: with the run-time count nw, LLVM vectorized the loop of a parallel kernel
 # into code that measured 3.6-4.3x slower than the same loop over a constant WC.
 
-@njit(**_inline)
+@njit(**INLINE_FLAGS)
 def _to_rows(x, b, d0, nw, off, rows):
     """rows[v, off + t] = x[b, t, d0 + v] for v < nw."""
     if nw == WC:
@@ -60,7 +61,7 @@ def _to_rows(x, b, d0, nw, off, rows):
                 rows[v, off + t] = x[b, t, d0 + v]
 
 
-@njit(**_inline)
+@njit(**INLINE_FLAGS)
 def _from_rows(rows, x, b, d0, nw):
     """x[b, t, d0 + v] = rows[v, t] for v < nw."""
     if nw == WC:
@@ -73,7 +74,7 @@ def _from_rows(rows, x, b, d0, nw):
                 x[b, t, d0 + v] = rows[v, t]
 
 
-@njit(**_inline)
+@njit(**INLINE_FLAGS)
 def _conv_pre(xr, w, d, bias_d, K, t):
     """c at step t of a channel: bias + sum_k w[d, k] xr[t + k] (xr with K - 1 zeros in front)."""
     if K == 4:
@@ -84,8 +85,8 @@ def _conv_pre(xr, w, d, bias_d, K, t):
     return c
 
 
-@parallel_kernel(**_vec)
-def _conv_silu_forward_kernel(x, z, w, bias, n_workers, move_z, out, zout):
+@parallel_kernel(**VEC_FLAGS)
+def conv_silu_forward_kernel(x, z, w, bias, n_workers, move_z, out, zout):
     # x, z: (batch, L, dim) any strides   w: (dim, K)   bias: (dim,)   out: (batch, L, dim)
     # zout: (batch, dim, L); neither z nor zout is read without move_z (Mamba-2: no gate here)
     batch, L, dim = x.shape
@@ -96,7 +97,7 @@ def _conv_silu_forward_kernel(x, z, w, bias, n_workers, move_z, out, zout):
     for _w in prange(n_workers):
         xb = np.empty((WC, L + K - 1), dtype=x.dtype)
         ub = np.empty((WC, L), dtype=x.dtype)
-        item = _take(queue)
+        item = take_item(queue)
         while item < batch * n_blocks:
             b, d0, nw = _conv_item(item, n_blocks, x, K, xb)
             for v in range(nw):
@@ -105,15 +106,15 @@ def _conv_silu_forward_kernel(x, z, w, bias, n_workers, move_z, out, zout):
                 for t in range(L):
                     ur[t] = _conv_pre(xr, w, d, bias_d, K, t)
                 for t in range(L):
-                    ur[t] = ur[t] * _sigmoid(ur[t], one)
+                    ur[t] = ur[t] * fast_sigmoid(ur[t], one)
             _from_rows(ub, out, b, d0, nw)
             if move_z:
                 _to_rows(z, b, d0, nw, 0, zout[b, d0:d0 + nw])
-            item = _take(queue)
+            item = take_item(queue)
 
 
-@parallel_kernel(**_vec)
-def _conv_silu_backward_kernel(dout, dout_tm, dz, x, w, bias, n_workers, move_z, dx, dzx, dw_part, db_part):
+@parallel_kernel(**VEC_FLAGS)
+def conv_silu_backward_kernel(dout, dout_tm, dz, x, w, bias, n_workers, move_z, dx, dzx, dw_part, db_part):
     # dout: (batch, dim, L), or (batch, L, dim) when dout_tm   dz: (batch, dim, L) (read, and
     # dzx written, only with move_z)
     # x, dx, dzx: (batch, L, dim) any strides
@@ -129,7 +130,7 @@ def _conv_silu_backward_kernel(dout, dout_tm, dz, x, w, bias, n_workers, move_z,
         gb = np.empty((WC, L + K - 1), dtype=x.dtype)     # dc, K - 1 zeros after it
         dxb = np.empty((WC, L), dtype=x.dtype)
         drows = np.empty((WC, L), dtype=x.dtype)
-        item = _take(queue)
+        item = take_item(queue)
         while item < batch * n_blocks:
             b, d0, nw = _conv_item(item, n_blocks, x, K, xb)
             if dout_tm:
@@ -142,7 +143,7 @@ def _conv_silu_backward_kernel(dout, dout_tm, dz, x, w, bias, n_workers, move_z,
                     gr[t] = _conv_pre(xr, w, d, bias_d, K, t)
                 for t in range(L):
                     c = gr[t]
-                    sg = _sigmoid(c, one)
+                    sg = fast_sigmoid(c, one)
                     gr[t] = dr[t] * (sg * (one + c * (one - sg)))
                 for t in range(L, L + K - 1):
                     gr[t] = zero
@@ -168,11 +169,11 @@ def _conv_silu_backward_kernel(dout, dout_tm, dz, x, w, bias, n_workers, move_z,
             _from_rows(dxb, dx, b, d0, nw)
             if move_z:
                 _from_rows(dz[b, d0:d0 + nw], dzx, b, d0, nw)
-            item = _take(queue)
+            item = take_item(queue)
 
 
-@njit(**_jit)
-def _sum_batch(part, total):
+@njit(**JIT_FLAGS)
+def sum_batch(part, total):
     """total[j] = part[0, j] + part[1, j] + ... in batch order."""
     for j in range(total.shape[0]):
         a = part[0, j]
