@@ -79,6 +79,17 @@ class ModelConfig:
         return (self.arch,) * self.n_layers
 
     @property
+    def layer_counts(self) -> dict[str, int]:
+        """How many layers of each block, in order of first use, without listing every layer (a
+        depth a typo made, 10^9, is one entry)."""
+        if self.layers:
+            counts: dict[str, int] = {}
+            for k in self.kinds:
+                counts[k] = counts.get(k, 0) + 1
+            return counts
+        return {self.arch: self.n_layers}
+
+    @property
     def nheads(self) -> int:
         """mamba2: SSD heads, d_inner / headdim."""
         return self.d_inner // self.headdim if self.headdim > 0 else 0

@@ -83,23 +83,23 @@ def family(kind: str) -> Family:
 
 def recurrent(m: ModelConfig) -> bool:
     """Every layer has a one-token step (generation, prefill): mamba, mamba2 and mamba3 stacks."""
-    return all(k in FAMILIES and FAMILIES[k].steps for k in m.kinds)
+    return all(k in FAMILIES and FAMILIES[k].steps for k in m.layer_counts)
 
 
 def fused_decode(m: ModelConfig) -> bool:
     """sonata.model.decode's fused step serves this stack (every layer Mamba-1)."""
-    return all(k in FAMILIES and FAMILIES[k].fused_decode for k in m.kinds)
+    return all(k in FAMILIES and FAMILIES[k].fused_decode for k in m.layer_counts)
 
 
 def bounded_state(m: ModelConfig) -> bool:
     """Some layer carries a fixed-size state, so evaluating long sequences chunk by chunk pays
     (a stack of attention alone re-reads every key either way)."""
-    return any(k in FAMILIES and FAMILIES[k].bounded_state for k in m.kinds)
+    return any(k in FAMILIES and FAMILIES[k].bounded_state for k in m.layer_counts)
 
 
 def hf_mapping(m: ModelConfig) -> HfMapping | None:
     """The transformers counterpart of a stack of one family that has one, else None."""
-    ks = set(m.kinds)
+    ks = set(m.layer_counts)
     return FAMILIES[next(iter(ks))].hf if len(ks) == 1 and next(iter(ks)) in FAMILIES else None
 
 
@@ -120,10 +120,10 @@ def check_model(m: ModelConfig) -> list[str]:
     elif m.arch == "hybrid":
         return ["model.arch=hybrid needs model.layers (e.g. mamba2,attention)"]
     errors = []
-    for kind in dict.fromkeys(m.kinds):                     # each family once, in layer order
+    for kind in m.layer_counts:                             # each family once, in layer order
         errors += [e + (f": the {kind} layers of model.layers={m.layers}" if m.layers else "")
                    for e in FAMILIES[kind].check(m)]
-    return errors + _a_constraint(m, m.kinds)
+    return errors + _a_constraint(m, m.layer_counts)
 
 
 def _a_constraint(m: ModelConfig, kinds) -> list[str]:

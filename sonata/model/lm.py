@@ -29,6 +29,7 @@ lives in `sonata.model.quant`.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -148,6 +149,30 @@ def build_model(cfg: Config) -> nn.Module:
         from sonata.model.gpt2 import GPT2LM
         return GPT2LM(cfg.model, cfg.data.seq_len)
     return MambaLM(cfg.model)
+
+
+def count_params(cfg: Config) -> int:
+    """The parameter count of `cfg`'s model without building it whole (a depth a typo made, 10^9
+    layers, would take hours and all memory even on the meta device): one block of each family on
+    the meta device times its layer count, plus the embedding, the final norm and an untied head;
+    a whole-model arch (gpt2) is built at depth 1 and 2 on the meta device and extrapolated.
+    Equals build_model(cfg).num_params() (tests/model/test_family_table.py)."""
+    m = cfg.model
+    families.validate(cfg)
+    with torch.device("meta"):
+        if m.arch in families.WHOLE_MODELS:
+            one, two = (_at_depth(cfg, n) for n in (1, 2))
+            return one + (m.n_layers - 1) * (two - one)
+        total = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2) + m.d_model    # embedding, head, norm_f
+        for kind, count in m.layer_counts.items():
+            total += count * sum(p.numel() for p in families.build_block(m, kind).parameters())
+    return total
+
+
+def _at_depth(cfg: Config, n_layers: int) -> int:
+    c = copy.deepcopy(cfg)
+    c.model.n_layers = n_layers
+    return sum(p.numel() for p in build_model(c).parameters())
 
 
 def param_groups(model: nn.Module, weight_decay: float):

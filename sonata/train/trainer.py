@@ -41,7 +41,7 @@ from sonata.core.rng import rng_state, seed_everything, set_rng_state
 from sonata.data.tasks import TaskSampler, evaluate_task, make_task
 from sonata.data.vocab import Vocab
 from sonata.model import families
-from sonata.model.lm import MambaLM, build_model
+from sonata.model.lm import MambaLM, build_model, count_params
 from sonata.model.quant import set_int8
 from sonata.train.plan import Plan, plan_batch, resumed_inputs
 from sonata.train.record import RunRecord
@@ -76,14 +76,13 @@ def _plan(t, state: dict | None, profile, world: int, device) -> Plan:
 def check_fits(cfg: Config, micro_batch: int, budget_bytes: int, what: str) -> None:
     """Before the model is built: a MemoryBudgetExceeded when the run certainly needs more than the
     memory budget (`what` says where it comes from). The parameters are counted on the meta device
-    (no memory), and the bytes counted are a floor of what training holds: float32 weights,
+    (no memory; one block per family, `count_params`), and the bytes counted are a floor of what training holds: float32 weights,
     gradients and AdamW's two moments, plus one micro-batch's logits and their gradient. A size a
     typo made (model.d_model=960000, train.micro_batch=10^9) is one error line, not an allocation
     that fails inside PyTorch or a process the kernel kills."""
     from sonata.train.memory import fmt_mib
     try:
-        with torch.device("meta"):
-            params = sum(p.numel() for p in build_model(cfg).parameters())
+        params = count_params(cfg)
     except SonataError:
         raise
     except Exception as e:          # noqa: BLE001 - sizes past what PyTorch can index, say

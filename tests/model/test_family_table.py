@@ -134,3 +134,30 @@ def test_a_family_added_in_one_line_of_the_table_is_built_checked_and_trained(mo
         losses.append(loss.item())
     assert losses[-1] < 0.8 * losses[0]
     assert m.layers[0].mixer.decay.grad is not None and m.layers[0].mixer.decay.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("over", [["model.arch=mamba"], ["model.arch=lti"], ["model.arch=mamba2", "model.headdim=16"],
+                                  ["model.arch=mamba3", "model.headdim=16"], ["model.arch=attention"],
+                                  ["model.layers=mamba2,attention,mamba,mamba2", "model.headdim=16",
+                                   "model.tie_embeddings=false"], ["model.arch=gpt2", "model.n_layers=3"]],
+                         ids=lambda o: o[0])
+def test_the_parameter_count_without_building_equals_the_built_models(over):
+    from sonata.model.lm import build_model, count_params
+    cfg = make_config(["model.d_model=32", "data.vocab_size=300", *over])
+    cfg.model.vocab_size = 300
+    assert count_params(cfg) == sum(p.numel() for p in build_model(cfg).parameters())
+
+
+def test_a_depth_a_typo_made_is_counted_at_once():
+    """The fuzz found it: check_fits built 10^8 layers on the meta device (hours, 20 GB)."""
+    import time
+    from sonata.model.lm import count_params
+    cfg = make_config(["model.d_model=32", "data.vocab_size=300"])
+    cfg.model.vocab_size = 300
+    one = count_params(cfg)
+    cfg.model.n_layers = 2_000_000_000
+    t = time.perf_counter()
+    big = count_params(cfg)
+    assert time.perf_counter() - t < 5
+    per_layer = (one - 300 * 32 - 32) // 2
+    assert big == 300 * 32 + 32 + 2_000_000_000 * per_layer
