@@ -50,8 +50,13 @@ class ModelConfig:
     chunk_size: int = 64        # mamba2, mamba3: the SSD's chunk length (the result does not depend on it)
     rope_fraction: float = 0.5  # mamba3: the share of the state rotated by data-dependent angles (0: no rotation)
     trapezoid: bool = True      # mamba3: the exponential-trapezoidal update (false: exponential Euler)
-    bounded_angle: float = 0.0  # mamba3: 0 the paper's step angle Delta theta; g > 0: pi sigmoid(g theta),
+    bounded_angle: float = 0.0  # mamba3: 0 the form's step angle; g > 0: pi sigmoid(g theta),
                                 # within (0, pi), saturating at 0 and a half turn (notebook 10's half-turn row)
+    mamba3_form: str = "released"  # mamba3: released (mamba_ssm's Mamba3: pi tanh(theta) dt angles shared by
+                                # the heads, A = -heavy_tail(a)) | paper (sonata's first reading of the
+                                # paper: per-head angle Delta theta, biased A and lambda, Mamba-2's gated norm)
+    mimo_rank: int = 1          # mamba3 released: 1 SISO, R > 1 MIMO of rank R (mamba_ssm's mimo_rank)
+    outproj_norm: bool = False  # mamba3 released: a per-head RMSNorm before the gate (mamba_ssm's is_outproj_norm)
     tie_embeddings: bool = True # the output head shares the embedding's weight (false: its own, nn.Linear's init)
     embed_std: float = 0.02     # the embedding's initial standard deviation (mamba_ssm's 0.02; 1.0: unit-variance inputs)
     layers: str = ""            # a hybrid stack, one block per layer: e.g. mamba2,mamba2,attention,mamba2
@@ -290,7 +295,9 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
         """A saved config (a checkpoint's, an export's): every key known, every value of its
-        field's type (an int for a float), else a ConfigError naming the key."""
+        field's type (an int for a float), else a ConfigError naming the key. A model section
+        without model.mamba3_form was saved before the released Mamba-3 existed: its form is
+        the paper form, so an old Mamba-3 checkpoint resumes as the model it was."""
         cfg = cls()
         if not isinstance(d, dict):
             raise ConfigError(f"a config is a mapping of sections, not a {type(d).__name__}")
@@ -305,6 +312,8 @@ class Config:
                 if isinstance(v, str) and hints[k] is not str:
                     raise ConfigError(f"bad value for {section}.{k}: {v!r} is not {_a(hints[k])}")
                 set_value(cfg, f"{section}.{k}", v)
+        if "mamba3_form" not in d.get("model", {"mamba3_form": None}):
+            cfg.model.mamba3_form = "paper"     # saved before the released form: its Mamba-3 was the paper form
         return cfg.validate()
 
     def validate(self) -> "Config":
@@ -330,6 +339,9 @@ class Config:
                    f"({len(kinds)} layers, arch {derived}): set model.layers after them, or leave them out")
         _check(0 <= m.rope_fraction <= 1, f"model.rope_fraction must be in [0, 1], not {m.rope_fraction}")
         _check(m.bounded_angle >= 0, f"model.bounded_angle must be 0 (off) or positive, not {m.bounded_angle}")
+        _check(m.mamba3_form in ("released", "paper"),
+               f"model.mamba3_form must be released or paper, not {m.mamba3_form!r}")
+        _check(m.mimo_rank >= 1, f"model.mimo_rank must be at least 1 (1 = SISO), not {m.mimo_rank}")
         _check(m.d_model > 0, "model.d_model must be positive")
         _check(math.isfinite(m.embed_std) and 0 < m.embed_std <= MAX_EMBED_STD,
                f"model.embed_std must be in (0, {MAX_EMBED_STD:g}], not {m.embed_std}")

@@ -38,6 +38,8 @@ so that the tests can compare in float64). What runs:
   depthwise conv1d and a few elementwise ops per step; there is nothing to fuse across calls);
   they are their references' code with the package's argument checks. `causal_conv1d_fn`
   takes `seq_idx` (batch, L): no tap crosses a packed sequence's start.
+- `Mamba3` (mamba_ssm.modules.mamba3's module, SISO and MIMO, with its inference cache) is
+  sonata's released-form Mamba-3 layer under mamba_ssm's arguments (`sonata.interop.mamba3_module`).
 - The Mamba-2 ops live in `sonata.interop.mamba2_ops` and are re-exported here:
   `mamba_chunk_scan_combined`, `mamba_split_conv1d_scan_combined`, the gated norms
   (`rmsnorm_fn`, `layernorm_fn`, `RMSNorm`, `LayerNorm`); `selective_state_update` takes both
@@ -74,6 +76,7 @@ from sonata.interop.mamba2_ops import (
     selective_state_update_heads,
     selective_state_update_heads_ref,
 )
+from sonata.interop.mamba3_module import Mamba3, heavy_tail_activation
 from sonata.kernels import causal_conv_silu, conv_silu, rms_norm, selective_scan
 from sonata.kernels.dispatch import compute_dtype
 
@@ -438,6 +441,7 @@ _SHIMS = {
     "mamba_ssm.ops.triton.ssd_combined": ("mamba_chunk_scan_combined", "mamba_chunk_scan_combined_ref",
                                           "mamba_split_conv1d_scan_combined", "mamba_split_conv1d_scan_ref"),
     "mamba_ssm.ops.triton.layernorm_gated": ("rmsnorm_fn", "layernorm_fn", "rms_norm_ref", "RMSNorm", "LayerNorm"),
+    "mamba_ssm.modules.mamba3": ("Mamba3", "heavy_tail_activation"),
     "causal_conv1d": ("causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_ref", "causal_conv1d_update_ref"),
     "causal_conv1d.causal_conv1d_interface": ("causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_ref",
                                               "causal_conv1d_update_ref"),
@@ -506,7 +510,7 @@ def _serve_cpu_in_transformers(tops: set[str]) -> None:
             table[top] = tuple(dict.fromkeys((*table[top], "cpu", "cuda")))
 
 
-__all__ = ["selective_scan_fn", "selective_scan_ref", "mamba_inner_fn", "mamba_inner_ref", "causal_conv1d_fn",
+__all__ = ["Mamba3", "heavy_tail_activation", "selective_scan_fn", "selective_scan_ref", "mamba_inner_fn", "mamba_inner_ref", "causal_conv1d_fn",
            "causal_conv1d_ref", "causal_conv1d_update", "causal_conv1d_update_ref", "selective_state_update",
            "selective_state_update_ref", "mamba_chunk_scan_combined", "mamba_chunk_scan_combined_ref",
            "mamba_split_conv1d_scan_combined", "mamba_split_conv1d_scan_ref", "rmsnorm_fn", "layernorm_fn",

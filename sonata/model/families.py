@@ -66,7 +66,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            steps=False),
     Family("mamba2", mamba2.Mamba2Block, mamba2.check, "Mamba-2: the SSD scan, one decay per head",
            hf=HfMapping("mamba2", "Mamba2ForCausalLM", ("headdim", "ngroups", "chunk_size"))),
-    Family("mamba3", mamba3.Mamba3Block, mamba3.check, "Mamba-3 (SISO): trapezoidal update, rotation, on the SSD"),
+    Family("mamba3", mamba3.Mamba3Block, mamba3.check, "Mamba-3: mamba_ssm's released block (SISO, MIMO of rank model.mimo_rank) or the paper form"),
     Family("attention", attention.AttentionBlock, attention.check, "causal attention with rotary positions and an MLP",
            state_space=False, steps=False, bounded_state=False),
 )}

@@ -1,35 +1,44 @@
-"""The Mamba-3 block family, SISO (`model.arch=mamba3`; Lahoti, Li, Chen, Wang, Bick, Kolter,
-Dao, Gu, ICLR 2026), written from the paper's equations:
+"""The Mamba-3 block family (`model.arch=mamba3`; Lahoti, Li, Chen, Wang, Bick, Kolter, Dao, Gu,
+ICLR 2026), in two forms of one block (`model.mamba3_form`).
 
-    z, x, B, C, dt, a, lam, theta = in_proj(u)        no short convolution
-    Delta = softplus(dt + dt_bias),  A = -max(softplus(a + a_bias), a_min)   per head, data-dependent
-    lam   = sigmoid(lam + lam_bias)                   the trapezoid's mix of the step's two ends
-    B, C  = RMSNorm(B), RMSNorm(C) + a learned bias per head (initialised to 1)
-    h_t   = alpha_t R(phi_t) h_{t-1} + beta_t R(phi_t) B_{t-1} x_{t-1}^T + gamma_t B_t x_t^T
-            alpha = exp(Delta A), beta = (1 - lam) Delta exp(Delta A), gamma = lam Delta
-    y_t   = h_t C_t + D x_t;   out = out_proj(norm(y * silu(z)))
+**released** (the default): mamba_ssm's `Mamba3` module as released, SISO and MIMO
+(docs/models.md has the equations and the argument map):
 
-R(phi) rotates pairs of the first R = rope_fraction x N state channels by phi_t = Delta_t
-theta_t (a complex-valued state written in real pairs); `model.rope_fraction=0` turns the
-rotation off, `model.trapezoid=false` makes lam = 1 (exponential Euler: Mamba-2's update).
-`model.bounded_angle=g` (g > 0; not the paper's) makes the step's angle pi sigmoid(g theta_t):
-within (0, pi), and 0 and a half turn are reached by saturation, so an angle that a token must
-turn by exactly pi (parity) stops depending on the rest of the layer's input. Notebook 10
-trains it as "Mamba-3, half-turn angle" beside the paper's angle; it cannot turn by more than
-pi, which a sum mod 5 needs (docs/results.md). mamba_ssm's released Mamba-3 differs from the
-equations above in two places sonata keeps as the paper prints them: its step angle is
-Delta_t pi tanh(theta_t) with one theta per pair shared by every head, and its A has no bias
-(|A| = softplus(0) at a zero input, where `a_bias` starts |A| in U(1, 16) as Mamba-2's A).
+    z, x, B, C, dd_dt, dd_A, trap, theta = in_proj(u)    no short convolution; theta: one per pair
+    dt = softplus(dd_dt + dt_bias),  A = -max(heavy_tail(dd_A), a_min)     per head, per token
+    trap = sigmoid(trap);  angle = pi tanh(theta) dt    (every head turns its pairs by theta's angles)
+    q = RMSNorm(C) + C_bias,  k = RMSNorm(B) + B_bias     per rank r, group-shared, biased per head
+    the scan (sonata.kernels.mamba3): S_t = alpha S + beta sum_r v_{t-1,r} k_{t-1,r}^T
+        + gamma sum_r v_t,r k_t,r^T with k, q turned by the accumulated angle; y_r = S q_r + D v_r
+    out_r = y_r silu(z_r)  (outproj_norm: RMSNorm_head(y_r) w silu(z_r));  z_r = z mimo_z[r]
+    out = out_proj(sum_r out_r mimo_o[r])      (SISO: R = 1, v = x, no mimo_* parameters)
 
-The fast path runs on the SSD kernel (`sonata.kernels.ssd.ssd`). In the frame that turns with
-the accumulated angle Theta_t = phi_1 + ... + phi_t (h~ = R(-Theta) h) the rotation moves onto
-B and C (B~_t = R(-Theta_t) B_t, the "RoPE trick") and the update is a real SSD whose input at
-t is the sum of two rank-one terms; each term is a set of heads of one SSD call (the second
-reads B~_{t-1} and x_{t-1}), sharing the decays, and their outputs add. The per-head data-
-dependent A enters as the kernel's step size Delta |A| with A = -1, the inputs scaled to match
-(which is why |A| is floored at a_min). `recurrence_ref` is the update above step by step, in
-float64 when given float64: the oracle the tests hold the fast path to. The state carried
-between calls (and by the one-token `step`) is (h~, Theta, x_{t-1}, B~_{t-1}).
+with heavy_tail(a) = 1 + a for a >= 0, 1 / (1 - a) below. MIMO (`model.mimo_rank` R > 1) pairs
+state channel j with j + N/2 for the rotation, as mamba_ssm's MIMO kernels do; SISO pairs
+neighbours. Parameter names and shapes are mamba_ssm's (in_proj, dt_bias, B_bias / C_bias (h,
+R, N), B_norm / C_norm, mimo_x / mimo_z / mimo_o (h, R, p), D, norm, out_proj), so its
+state_dict loads as it is (sonata.interop.mamba_ssm's Mamba3).
+
+**paper**: sonata's first reading of the paper's equations, kept for notebook 10's study rows:
+
+    Delta = softplus(dt + dt_bias),  A = -max(softplus(a + a_bias), a_min)   a_bias: |A| in U(1, 16)
+    lam = sigmoid(lam + lam_bias);  phi_t = Delta_t theta_t, one theta per head and pair
+    h_t = alpha_t R(phi_t) h_{t-1} + beta_t R(phi_t) B_{t-1} x_{t-1}^T + gamma_t B_t x_t^T
+    out = out_proj(GatedRMSNorm(y * silu(z)))       (Mamba-2's norm, ngroups groups)
+
+Both forms: `model.rope_fraction` (the rotated share of the state; 0: no rotation),
+`model.trapezoid=false` (lam = trap = 1: exponential Euler, Mamba-2's update) and
+`model.bounded_angle=g` (g > 0; not the paper's: the step angle is pi sigmoid(g theta), within
+(0, pi), and 0 and a half turn are reached by saturation, notebook 10's half-turn row).
+
+The scan runs in sonata.kernels.mamba3: SISO on the SSD kernel (the "RoPE trick": in the frame
+that turns with the accumulated angle the update is a real SSD), MIMO in chunks of matrix
+products; `mamba3_ref` is the update token by token, float64 when given float64, the oracle
+the tests hold both to. In the paper form the state turns by +phi, which is the kernel's
+rotation of k and q by -Theta: its angle goes in negated. `recurrence_ref` is the paper form's
+update in the unrotated frame, a second, independent oracle. The state carried between calls
+(and by the one-token `step`) is the kernel's (Theta, S, k_prev, x_prev), mamba_ssm's
+(angle_dt_state, ssm_state, k_state, v_state) with the angle unwrapped in float64.
 """
 from __future__ import annotations
 
@@ -40,27 +49,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sonata.core.config import ModelConfig
-from sonata.kernels.ssd import ssd
+from sonata.kernels.mamba3 import empty_state, mamba3_scan, mamba3_step, rotate
 from sonata.model import mamba2
 from sonata.model.block import PreNormBlock, dt_bias_init
-from sonata.model.norm import GatedRMSNorm
+from sonata.model.norm import GatedRMSNorm, RMSNorm
 from sonata.model.quant import QLinear
 
 
 def rotated_dims(cfg: ModelConfig) -> int:
-    """R: the state channels that rotate (an even count, pairs (0, 1), (2, 3), ...)."""
+    """The state channels that rotate (an even count: n_angles = rotated_dims / 2 pairs)."""
     return 2 * int(cfg.d_state * cfg.rope_fraction // 2)
 
 
-def rotate(v, angle):
-    """Rotate pairs of v's first 2 * angle.shape[-1] channels by `angle` (..., R/2); v (..., N)."""
-    r = 2 * angle.shape[-1]
-    if r == 0:
-        return v
-    v1, v2 = v[..., 0:r:2], v[..., 1:r:2]
-    cos, sin = torch.cos(angle).to(v.dtype), torch.sin(angle).to(v.dtype)
-    out = torch.stack([v1 * cos - v2 * sin, v1 * sin + v2 * cos], dim=-1).flatten(-2)
-    return torch.cat([out, v[..., r:]], dim=-1)
+def heavy_tail(a):
+    """mamba_ssm's activation of the data-dependent A: 1 + a for a >= 0, 1 / (1 - a) below."""
+    return a.clamp_min(0) + torch.reciprocal(1 - a.clamp_max(0))
 
 
 def recurrence_ref(x, delta, A, lam, phi, B, C, D=None, state=None):
@@ -95,24 +98,42 @@ def recurrence_ref(x, delta, A, lam, phi, B, C, D=None, state=None):
 
 
 class Mamba3Mixer(nn.Module):
-    """The Mamba-3 SISO layer (module docstring)."""
+    """The Mamba-3 layer, either form (module docstring)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        d, di, n, g, h = cfg.d_model, cfg.d_inner, cfg.d_state, cfg.ngroups, cfg.nheads
+        d, di, n, g, h, p = cfg.d_model, cfg.d_inner, cfg.d_state, cfg.ngroups, cfg.nheads, cfg.headdim
         self.cfg, self.R = cfg, rotated_dims(cfg)
-        self.sizes = [di, di, g * n, g * n, h, h, h, h * self.R // 2]     # z x B C dt a lam theta
+        self.released = cfg.mamba3_form == "released"
+        self.rank = cfg.mimo_rank if self.released else 1
+        self.n_angles = self.R // 2
+        self.pairing = "half" if self.rank > 1 else "adjacent"
+        r = self.rank
+        angles = self.n_angles if self.released else h * self.n_angles
+        self.sizes = [di, di, r * g * n, r * g * n, h, h, h, angles]       # z x B C dt A trap angles
         self.in_proj = QLinear(d, sum(self.sizes), bias=False)
         self.dt_bias = nn.Parameter(dt_bias_init(cfg, h))
-        a0 = torch.empty(h).uniform_(1, 16)                                     # |A| at a = 0: U(1, 16)
-        self.a_bias = nn.Parameter(a0 + torch.log(-torch.expm1(-a0)))          # softplus^-1
-        self.lam_bias = nn.Parameter(torch.zeros(h))                            # lam = 0.5 at a zero input
-        self.B_norm = nn.Parameter(torch.ones(n))
-        self.C_norm = nn.Parameter(torch.ones(n))
-        self.B_bias = nn.Parameter(torch.ones(h, n))
-        self.C_bias = nn.Parameter(torch.ones(h, n))
         self.D = nn.Parameter(torch.ones(h))
-        self.norm = GatedRMSNorm(di, di // g, eps=cfg.norm_eps)
+        if self.released:
+            self.B_bias = nn.Parameter(torch.ones(h, r, n))
+            self.C_bias = nn.Parameter(torch.ones(h, r, n))
+            self.B_norm = RMSNorm(n, eps=cfg.norm_eps)
+            self.C_norm = RMSNorm(n, eps=cfg.norm_eps)
+            if r > 1:                                                    # mamba_ssm's MIMO initialisation
+                self.mimo_x = nn.Parameter(torch.ones(h, r, p) / r)
+                self.mimo_z = nn.Parameter(torch.ones(h, r, p))
+                self.mimo_o = nn.Parameter(torch.ones(h, r, p) / r)
+            if cfg.outproj_norm:
+                self.norm = GatedRMSNorm(di, p, eps=cfg.norm_eps, norm_before_gate=True)
+        else:
+            a0 = torch.empty(h).uniform_(1, 16)                                 # |A| at a = 0: U(1, 16)
+            self.a_bias = nn.Parameter(a0 + torch.log(-torch.expm1(-a0)))      # softplus^-1
+            self.lam_bias = nn.Parameter(torch.zeros(h))                        # lam = 0.5 at a zero input
+            self.B_norm = nn.Parameter(torch.ones(n))
+            self.C_norm = nn.Parameter(torch.ones(n))
+            self.B_bias = nn.Parameter(torch.ones(h, n))
+            self.C_bias = nn.Parameter(torch.ones(h, n))
+            self.norm = GatedRMSNorm(di, di // g, eps=cfg.norm_eps)
         self.out_proj = QLinear(di, d, bias=False)
 
     @torch.no_grad()
@@ -120,62 +141,67 @@ class Mamba3Mixer(nn.Module):
         """A is floored at -a_min by construction (`ssm_inputs`): nothing to project."""
 
     def ssm_inputs(self, u):
-        """u (b, L, d) -> z (b, L, di), x (b, L, h, p), delta, A, lam (b, L, h), phi (b, L, h, R/2),
-        B, C (b, L, h, n) before the rotation."""
+        """u (b, L, d) -> z (b, L, di); the scan's inputs x (b, L, h, p), dt, A (b, L, h), trap
+        (b, L, h) or None (Euler), angle (b, L, h, n_angles), q (C), k (B) (b, L, R, h, n)."""
         c = self.cfg
         b, L, _ = u.shape
-        z, x, B, C, dt, a, lam, theta = self.in_proj(u).split(self.sizes, dim=-1)
+        z, x, B, C, dt, a, trap, theta = self.in_proj(u).split(self.sizes, dim=-1)
         ct = torch.float64 if u.dtype == torch.float64 else torch.float32     # float64: the tests
-        delta = F.softplus(dt.to(ct) + self.dt_bias.to(ct))
-        A = -F.softplus(a.to(ct) + self.a_bias.to(ct)).clamp(min=c.a_min)
-        lam = torch.sigmoid(lam.to(ct) + self.lam_bias.to(ct)) if c.trapezoid else torch.ones_like(delta)
-        theta = theta.to(ct).reshape(b, L, c.nheads, self.R // 2)
-        if c.bounded_angle > 0:                      # a half turn at most, reached by saturation
-            phi = math.pi * torch.sigmoid(c.bounded_angle * theta)
+        dt = F.softplus(dt.to(ct) + self.dt_bias.to(ct))
+        h, m, rep = c.nheads, self.n_angles, c.nheads // c.ngroups
+        if self.released:
+            A = (-heavy_tail(a.to(ct))).clamp(max=-c.a_min)
+            trap = torch.sigmoid(trap.to(ct)) if c.trapezoid else None
+            theta = theta.to(ct)[:, :, None, :]                                 # shared by the heads
+            angle = (math.pi * torch.sigmoid(c.bounded_angle * theta)).expand(b, L, h, m) if c.bounded_angle > 0 \
+                else math.pi * torch.tanh(theta) * dt[..., None]
+
+            def bc(t, norm, bias):
+                t = norm(t.to(ct).reshape(b, L, self.rank, c.ngroups, c.d_state))
+                return t.repeat_interleave(rep, dim=3) + bias.transpose(0, 1).to(ct)
+            q, k = bc(C, self.C_norm, self.C_bias), bc(B, self.B_norm, self.B_bias)
         else:
-            phi = delta[..., None] * theta
-        rep = c.nheads // c.ngroups
+            A = -F.softplus(a.to(ct) + self.a_bias.to(ct)).clamp(min=c.a_min)
+            trap = torch.sigmoid(trap.to(ct) + self.lam_bias.to(ct)) if c.trapezoid else None
+            theta = theta.to(ct).reshape(b, L, h, m)
+            phi = math.pi * torch.sigmoid(c.bounded_angle * theta) if c.bounded_angle > 0 else dt[..., None] * theta
+            angle = -phi                             # the state turns by +phi: k and q by -Theta
 
-        def bc(t, w, bias):
-            t = t.to(ct).reshape(b, L, c.ngroups, c.d_state)
-            t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + c.norm_eps) * w.to(ct)
-            return t.repeat_interleave(rep, dim=2) + bias.to(ct)
-
-        return (z, x.to(ct).reshape(b, L, c.nheads, c.headdim), delta, A, lam, phi,
-                bc(B, self.B_norm, self.B_bias), bc(C, self.C_norm, self.C_bias))
+            def bc(t, w, bias):
+                t = t.to(ct).reshape(b, L, c.ngroups, c.d_state)
+                t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + c.norm_eps) * w.to(ct)
+                return (t.repeat_interleave(rep, dim=2) + bias.to(ct))[:, :, None]
+            q, k = bc(C, self.C_norm, self.C_bias), bc(B, self.B_norm, self.B_bias)
+        return z, x.to(ct).reshape(b, L, h, c.headdim), dt, A, trap, angle, q, k
 
     def empty_state(self, batch: int, device, dtype=torch.float32):
         c = self.cfg
         ct = torch.float64 if dtype == torch.float64 else torch.float32
-        return (torch.zeros(batch, c.nheads, c.headdim, c.d_state, device=device, dtype=ct),   # h~
-                torch.zeros(batch, c.nheads, self.R // 2, device=device, dtype=torch.float64),  # Theta
-                torch.zeros(batch, c.nheads, c.headdim, device=device, dtype=ct),              # x_{t-1}
-                torch.zeros(batch, c.nheads, c.d_state, device=device, dtype=ct))              # B~_{t-1}
+        return empty_state(batch, self.rank, c.nheads, c.headdim, c.d_state, self.n_angles, device, ct)
 
-    def _scan(self, x, delta, A, lam, phi, B, C, state):
-        """The SSD form of the update: -> y (b, L, h, p) before D, the new state."""
+    def scan(self, x, dt, A, trap, angle, q, k, state=None):
+        """The scan on `ssm_inputs`' tensors -> y (b, L, R, h, p) (D included), the final state."""
+        mimo_x = self.mimo_x if self.rank > 1 else None
+        return mamba3_scan(q, k, x, dt, A, trap, angle, self.D, mimo_x, self.pairing, state,
+                           chunk_size=self.cfg.chunk_size, backend=self.cfg.backend)
+
+    def gate_out(self, y, z):
+        """y (b, L, R, h, p) from the scan, z (b, L, di) -> out (b, L, d): the gate (and norm), the
+        down-projection of the ranks, out_proj."""
         c = self.cfg
-        h0, theta0, xp, Bp = state
-        Theta = theta0[:, None] + torch.cumsum(phi.double(), dim=1)                # (b, L, h, R/2)
-        Bt, Ct = rotate(B, -Theta), rotate(C, -Theta)
-        absA = -A
-        dtk = delta * absA                                                        # the kernel's step
-        xs, Bs, inits = [x * (lam / absA)[..., None]], [Bt], [h0]
-        if c.trapezoid:
-            x_prev = torch.cat([xp[:, None], x[:, :-1]], dim=1)
-            B_prev = torch.cat([Bp[:, None], Bt[:, :-1]], dim=1)
-            xs.append(x_prev * ((1 - lam) * torch.exp(delta * A) / absA)[..., None])
-            Bs.append(B_prev)
-            inits.append(torch.zeros_like(h0))
-        k = len(xs)
-        ones = -torch.ones(c.nheads * k, device=x.device, dtype=x.dtype)
-        y, hf = ssd(torch.cat(xs, 2), dtk.repeat(1, 1, k), ones, torch.cat(Bs, 2), Ct.repeat(1, 1, k, 1),
-                    chunk_size=c.chunk_size, initial_states=torch.cat(inits, 1), return_final_states=True,
-                    backend=c.backend)
-        H = c.nheads
-        y = sum(y[:, :, i * H:(i + 1) * H] for i in range(k))
-        hf = sum(hf[:, i * H:(i + 1) * H] for i in range(k))
-        return y, (hf, Theta[:, -1], x[:, -1], Bt[:, -1])
+        b, L = y.shape[:2]
+        if not self.released:
+            return self.out_proj(self.norm(y[:, :, 0].reshape(b, L, c.d_inner).to(z.dtype), z))
+        zr = z.to(y.dtype).reshape(b, L, 1, c.nheads, c.headdim)
+        if self.rank > 1:
+            zr = zr * self.mimo_z.transpose(0, 1).to(y.dtype)
+        if c.outproj_norm:
+            shape = (b, L, self.rank, c.d_inner)
+            y = self.norm(y.reshape(shape), zr.expand(y.shape).reshape(shape)).reshape(y.shape)
+        else:
+            y = y * F.silu(zr)
+        y = (y * self.mimo_o.transpose(0, 1).to(y.dtype)).sum(2) if self.rank > 1 else y[:, :, 0]
+        return self.out_proj(y.reshape(b, L, c.d_inner).to(z.dtype))
 
     def forward(self, u, state=None, return_state: bool = False):
         """-> out (b, L, d); with `return_state` (or a `state`) -> (out, state)."""
@@ -184,40 +210,33 @@ class Mamba3Mixer(nn.Module):
         if L == 0:
             out = self.out_proj(u.new_zeros(b, 0, self.cfg.d_inner))
             return (out, st) if (state is not None or return_state) else out
-        z, x, delta, A, lam, phi, B, C = self.ssm_inputs(u)
-        y, new = self._scan(x, delta, A, lam, phi, B, C, st)
-        y = (y + x * self.D.to(x.dtype)[:, None]).reshape(b, L, self.cfg.d_inner).to(z.dtype)
-        out = self.out_proj(self.norm(y, z))
+        z, x, dt, A, trap, angle, q, k = self.ssm_inputs(u)
+        y, new = self.scan(x, dt, A, trap, angle, q, k, st)
+        out = self.gate_out(y, z)
         return (out, new) if (state is not None or return_state) else out
 
     @torch.no_grad()
     def step(self, u, state):                                           # u (b, d)
-        """One token of the update in the turning frame (the state is updated in place)."""
-        c = self.cfg
-        h, Theta, xp, Bp = state
-        z, x, delta, A, lam, phi, B, C = self.ssm_inputs(u[:, None])
-        x, delta, A, lam, B, C = x[:, 0], delta[:, 0], A[:, 0], lam[:, 0], B[:, 0], C[:, 0]
-        Theta += phi[:, 0].double()
-        Bt, Ct = rotate(B, -Theta), rotate(C, -Theta)
-        alpha = torch.exp(delta * A)
-        h.mul_(alpha[..., None, None])
-        h.add_((lam * delta)[..., None, None] * x[..., None] * Bt[:, :, None, :])
-        if c.trapezoid:
-            h.add_(((1 - lam) * delta * alpha)[..., None, None] * xp[..., None] * Bp[:, :, None, :])
-        y = torch.einsum("bhpn,bhn->bhp", h, Ct) + x * self.D.to(x.dtype)[:, None]
-        xp.copy_(x)
-        Bp.copy_(Bt)
-        y = self.norm(y.reshape(u.shape[0], c.d_inner).to(z.dtype), z[:, 0])
-        return self.out_proj(y), state
+        """One token (the state is updated in place) -> (out (b, d), state)."""
+        z, x, dt, A, trap, angle, q, k = self.ssm_inputs(u[:, None])
+        y = mamba3_step(q[:, 0], k[:, 0], x[:, 0], dt[:, 0], A[:, 0], None if trap is None else trap[:, 0],
+                        angle[:, 0], self.D, self.mimo_x if self.rank > 1 else None, self.pairing, state)
+        return self.gate_out(y[:, None], z)[:, 0], state
 
     def prefill(self, u):
         return self.forward(u, None, return_state=True)
 
 
 def check(cfg: ModelConfig) -> list[str]:
-    """The family's errors (sonata.model.families): the SSD head layout (Mamba-2's check) and a
-    rotation that turns at least one pair of state channels. Writes nothing."""
+    """The family's errors (sonata.model.families): the SSD head layout (Mamba-2's check), the
+    released form's options asked of the paper form, and a rotation that turns at least one pair
+    of state channels. Writes nothing."""
     errors = mamba2.check(cfg)
+    if cfg.mamba3_form == "paper":
+        for key, val, off in (("mimo_rank", cfg.mimo_rank, 1), ("outproj_norm", cfg.outproj_norm, False)):
+            if val != off:
+                errors.append(f"model.{key}={val} is an option of mamba_ssm's released Mamba-3: set "
+                              f"model.mamba3_form=released, or leave model.{key} out")
     if cfg.rope_fraction != 0 and rotated_dims(cfg) < 2:
         errors.append(f"model.rope_fraction={cfg.rope_fraction:g} rotates no pair of the {cfg.d_state} state "
                       f"channels (2 x floor(d_state x fraction / 2) = 0): give at least {2 / cfg.d_state:g} to "
@@ -232,4 +251,4 @@ class Mamba3Block(PreNormBlock):
         super().__init__(cfg, Mamba3Mixer(cfg))
 
 
-__all__ = ["Mamba3Block", "Mamba3Mixer", "check", "recurrence_ref", "rotate", "rotated_dims"]
+__all__ = ["Mamba3Block", "Mamba3Mixer", "check", "heavy_tail", "recurrence_ref", "rotate", "rotated_dims"]

@@ -353,6 +353,7 @@ def test_install_leaves_a_real_package_alone(tmp_path, monkeypatch):
                        capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip() == ("['mamba_ssm.ops.selective_scan_interface', 'mamba_ssm.ops.triton.layernorm_gated', "
+    assert r.stdout.strip() == ("['mamba_ssm.modules.mamba3', 'mamba_ssm.ops.selective_scan_interface', "
+                                "'mamba_ssm.ops.triton.layernorm_gated', "
                                 "'mamba_ssm.ops.triton.selective_state_update', 'mamba_ssm.ops.triton.ssd_combined'] True")
 

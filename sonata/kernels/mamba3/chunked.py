@@ -1,0 +1,78 @@
+"""sonata/kernels/mamba3/chunked.py: the Mamba-3 scan in chunks of matrix products (any rank R),
+in plain PyTorch, autograd through it. The semantics are reference.py's.
+
+The trapezoid's two terms fold into one weight per input: the pair (k_s, v_s) enters the state
+with gamma_s at step s and again with beta_{s+1} = (1 - trap_{s+1}) dt_{s+1} alpha_{s+1} at step
+s+1, and alpha_{s+1} is the decay from s to s+1. So the state after step t is
+
+    S_t = e^{c_t} S'_0 + sum_{s<t} e^{c_t - c_s} w_s sum_r v_s,r k_s,r^T + gamma_t sum_r v_t,r k_t,r^T
+    w_s = gamma_s + (1 - trap_{s+1}) dt_{s+1}   (w_{L-1} = gamma_{L-1}: the next token is not known)
+    S'_0 = S_0 + (1 - trap_0) dt_0 sum_r v_prev,r k_prev,r^T,    c_t = sum_{u<=t} dt_u A_u
+
+Within a chunk of T tokens the outputs are one masked product over the (T R) x (T R) query-key
+scores (like mamba_ssm's chunk reference); between chunks one state per head is carried, the
+carry at a chunk's end holding w (not gamma) at its last token, which is what the next chunk's
+first token adds. The rotation is applied to q and k first, at the accumulated angle (float64).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sonata.kernels.mamba3.reference import empty_state, ranked, rotate
+
+
+def mamba3_chunked(q, k, x, dt, A, trap, angle, D=None, mimo_x=None, pairing="adjacent", state=None,
+                   chunk_size=64):
+    """reference.mamba3_ref's result in chunks of `chunk_size` -> y (b, L, R, h, p), the final state."""
+    b, L, R, h, n = q.shape
+    p = x.shape[-1]
+    Theta0, S0, kp, xp = state if state is not None else empty_state(b, R, h, p, n, angle.shape[-1], x.device,
+                                                                      x.dtype)
+    Theta = Theta0[:, None] + torch.cumsum(angle.to(torch.float64), dim=1)         # (b, L, h, m)
+    th = Theta[:, :, None]
+    qr, kr = rotate(q, th, pairing), rotate(k, th, pairing)                       # (b, L, R, h, n)
+    v = ranked(x, mimo_x)                                                          # (b, L, R, h, p)
+    if trap is None:
+        trap = torch.ones_like(dt)
+    gamma = trap * dt
+    shifted = F.pad(((1 - trap) * dt)[:, 1:], (0, 0, 0, 1))                      # (b, L, h)
+    w = gamma + shifted
+    carry = S0 + ((1 - trap[:, 0]) * dt[:, 0])[..., None, None] * torch.einsum("brhn,brhp->bhpn", kp,
+                                                                                ranked(xp, mimo_x))
+    adt = dt * A
+    T = max(1, min(chunk_size, L))
+    nc = -(-L // T)
+    pad = nc * T - L
+
+    def chunks(t):                                                                 # (b, L, ...) -> (b, nc, T, ...)
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) if pad else t
+        return t.reshape(b, nc, T, *t.shape[2:])
+
+    qc, kc, vc = chunks(qr), chunks(kr), chunks(v)
+    adt_c, w_c, g_c = chunks(adt), chunks(w), chunks(gamma)                        # (b, nc, T, h)
+    cs = torch.cumsum(adt_c, dim=2)
+    seg = cs.transpose(2, 3)[..., :, None] - cs.transpose(2, 3)[..., None, :]     # (b, nc, h, t, s)
+    idx = torch.arange(T, device=x.device)
+    below = idx[:, None] > idx[None, :]
+    decay = torch.exp(seg.masked_fill(~below, float("-inf")))
+    Lm = decay * w_c.transpose(2, 3)[..., None, :] + torch.diag_embed(g_c.transpose(2, 3))
+    scores = torch.einsum("bctrhn,bcsuhn->bchtrsu", qc, kc)
+    y = torch.einsum("bchtrsu,bchts,bcsuhp->bctrhp", scores, Lm, vc)
+    # each chunk's own contribution to the state at its end, then the carried states
+    to_end = torch.exp(cs[:, :, -1:] - cs) * w_c                                  # (b, nc, T, h)
+    own = torch.einsum("bcsh,bcsuhn,bcsuhp->bchpn", to_end, kc, vc)
+    whole = torch.exp(cs[:, :, -1])                                                # (b, nc, h)
+    starts = []
+    for c in range(nc):
+        starts.append(carry)
+        carry = whole[:, c, :, None, None] * carry + own[:, c]
+    Sin = torch.stack(starts, 1)                                                   # (b, nc, h, p, n)
+    y = y + torch.einsum("bchpn,bctrhn->bctrhp", Sin, qc) * torch.exp(cs)[:, :, :, None, :, None]
+    y = y.reshape(b, nc * T, R, h, p)[:, :L]
+    if D is not None:
+        y = y + D.to(y.dtype)[:, None] * v
+    return y, (Theta[:, -1], carry, kr[:, -1], x[:, -1])
+
+
+__all__ = ["mamba3_chunked"]
