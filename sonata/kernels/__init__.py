@@ -12,6 +12,11 @@
                    cross_entropy, each beside its reference (reference.py, cpu.py + numba
                    kernels, autograd.py)
     ssd/           the SSD (Mamba-2) scan: `from sonata.kernels.ssd import ssd, ssd_step, ...`
+    mamba3/        the Mamba-3 scan as mamba_ssm released it, SISO and MIMO: `mamba3_scan`,
+                   `mamba3_step` (reference.py, ssd_form.py: SISO on the SSD kernel, chunked.py:
+                   any rank, cpu_step.py: the layer's fused one-token step)
+    gdn/           Gated DeltaNet's gated delta rule: `gated_delta_rule`, `gated_delta_rule_step`
+                   (reference.py: the recurrence and the chunked WY form, cpu.py: numba)
     cpu_simd.py, cpu_arrays.py, numba_cache.py
                    shared numba infrastructure: lane widths, compile flags and fast maths; the
                    torch <-> numpy glue; the on-disk cache keyed by every source here

@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from sonata.core.config import Config, ModelConfig
 from sonata.core.errors import ConfigError
-from sonata.model import attention, gpt2, mamba, mamba2, mamba3
+from sonata.model import attention, gdn, gpt2, mamba, mamba2, mamba3
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("mamba2", mamba2.Mamba2Block, mamba2.check, "Mamba-2: the SSD scan, one decay per head",
            hf=HfMapping("mamba2", "Mamba2ForCausalLM", ("headdim", "ngroups", "chunk_size"))),
     Family("mamba3", mamba3.Mamba3Block, mamba3.check, "Mamba-3: mamba_ssm's released block (SISO, MIMO of rank model.mimo_rank) or the paper form"),
+    Family("gdn", gdn.GDNBlock, gdn.check, "Gated DeltaNet: the gated delta rule (Qwen3-Next's linear layer)",
+           state_space=False),
     Family("attention", attention.AttentionBlock, attention.check, "causal attention with rotary positions and an MLP",
            state_space=False, steps=False, bounded_state=False),
 )}

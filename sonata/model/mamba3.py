@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 from sonata.core.config import ModelConfig
 from sonata.kernels.mamba3 import empty_state, mamba3_scan, mamba3_step, rotate
+from sonata.kernels.mamba3.cpu_step import can_fuse, mamba3_step_cpu
 from sonata.model import mamba2
 from sonata.model.block import PreNormBlock, dt_bias_init
 from sonata.model.norm import GatedRMSNorm, RMSNorm
@@ -217,7 +218,14 @@ class Mamba3Mixer(nn.Module):
 
     @torch.no_grad()
     def step(self, u, state):                                           # u (b, d)
-        """One token (the state is updated in place) -> (out (b, d), state)."""
+        """One token (the state is updated in place) -> (out (b, d), state). The released form
+        on CPU runs one fused numba pass from in_proj's output to the gated output
+        (sonata.kernels.mamba3.cpu_step); the torch ops below are its reference."""
+        if self.released and self.cfg.backend in ("auto", "cpu"):
+            proj = self.in_proj(u)
+            if can_fuse(state, proj):
+                return self.out_proj(mamba3_step_cpu(proj, self.sizes, self.step_params(), self.step_dims(),
+                                                     self.step_consts(), state).to(u.dtype)), state
         z, x, dt, A, trap, angle, q, k = self.ssm_inputs(u[:, None])
         y = mamba3_step(q[:, 0], k[:, 0], x[:, 0], dt[:, 0], A[:, 0], None if trap is None else trap[:, 0],
                         angle[:, 0], self.D, self.mimo_x if self.rank > 1 else None, self.pairing, state)
@@ -225,6 +233,22 @@ class Mamba3Mixer(nn.Module):
 
     def prefill(self, u):
         return self.forward(u, None, return_state=True)
+
+    def step_params(self):
+        """The released form's tensors, in the fused step's order."""
+        multi = self.rank > 1
+        return (self.dt_bias, self.B_norm.weight, self.C_norm.weight, self.B_bias, self.C_bias, self.D,
+                self.mimo_x if multi else None, self.mimo_z if multi else None, self.mimo_o if multi else None,
+                self.norm.weight if self.cfg.outproj_norm else None)
+
+    def step_dims(self):
+        c = self.cfg
+        return (c.nheads, c.headdim, c.d_state, self.n_angles, self.rank, c.ngroups, int(c.trapezoid),
+                int(self.pairing == "half"))
+
+    def step_consts(self):
+        c = self.cfg
+        return (c.a_min, self.B_norm.eps, c.norm_eps, c.bounded_angle)
 
 
 def check(cfg: ModelConfig) -> list[str]:

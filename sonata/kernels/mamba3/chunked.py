@@ -49,27 +49,33 @@ def mamba3_chunked(q, k, x, dt, A, trap, angle, D=None, mimo_x=None, pairing="ad
         t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) if pad else t
         return t.reshape(b, nc, T, *t.shape[2:])
 
-    qc, kc, vc = chunks(qr), chunks(kr), chunks(v)
-    adt_c, w_c, g_c = chunks(adt), chunks(w), chunks(gamma)                        # (b, nc, T, h)
-    cs = torch.cumsum(adt_c, dim=2)
-    seg = cs.transpose(2, 3)[..., :, None] - cs.transpose(2, 3)[..., None, :]     # (b, nc, h, t, s)
+    def heads_first(t):                         # (b, L, R, h, e) -> (b, nc, h, T R, e), rows (t, r)
+        t = chunks(t)
+        return t.permute(0, 1, 4, 2, 3, 5).reshape(b, nc, h, T * R, t.shape[-1])
+
+    qh, kh, vh = heads_first(qr), heads_first(kr), heads_first(v)
+    adt_c, w_c, g_c = (chunks(t).transpose(2, 3) for t in (adt, w, gamma))      # (b, nc, h, T)
+    cs = torch.cumsum(adt_c, dim=-1)
+    seg = cs[..., :, None] - cs[..., None, :]                                    # (b, nc, h, t, s)
     idx = torch.arange(T, device=x.device)
     below = idx[:, None] > idx[None, :]
-    decay = torch.exp(seg.masked_fill(~below, float("-inf")))
-    Lm = decay * w_c.transpose(2, 3)[..., None, :] + torch.diag_embed(g_c.transpose(2, 3))
-    scores = torch.einsum("bctrhn,bcsuhn->bchtrsu", qc, kc)
-    y = torch.einsum("bchtrsu,bchts,bcsuhp->bctrhp", scores, Lm, vc)
+    Lm = torch.exp(seg.masked_fill(~below, float("-inf"))) * w_c[..., None, :] + torch.diag_embed(g_c)
+    scores = (qh @ kh.transpose(-1, -2)).view(b, nc, h, T, R, T, R) * Lm[:, :, :, :, None, :, None]
+    y = scores.view(b, nc, h, T * R, T * R) @ vh                                 # within each chunk
+
+    def per_row(t):                             # (b, nc, h, T) -> (b, nc, h, T R, 1)
+        return t.repeat_interleave(R, dim=-1)[..., None]
+
     # each chunk's own contribution to the state at its end, then the carried states
-    to_end = torch.exp(cs[:, :, -1:] - cs) * w_c                                  # (b, nc, T, h)
-    own = torch.einsum("bcsh,bcsuhn,bcsuhp->bchpn", to_end, kc, vc)
-    whole = torch.exp(cs[:, :, -1])                                                # (b, nc, h)
+    own = vh.transpose(-1, -2) @ (kh * per_row(torch.exp(cs[..., -1:] - cs) * w_c))   # (b, nc, h, p, n)
+    whole = torch.exp(cs[..., -1])                                               # (b, nc, h)
     starts = []
     for c in range(nc):
         starts.append(carry)
         carry = whole[:, c, :, None, None] * carry + own[:, c]
-    Sin = torch.stack(starts, 1)                                                   # (b, nc, h, p, n)
-    y = y + torch.einsum("bchpn,bctrhn->bctrhp", Sin, qc) * torch.exp(cs)[:, :, :, None, :, None]
-    y = y.reshape(b, nc * T, R, h, p)[:, :L]
+    Sin = torch.stack(starts, 1)                                                 # (b, nc, h, p, n)
+    y = y + (qh @ Sin.transpose(-1, -2)) * per_row(torch.exp(cs))
+    y = y.view(b, nc, h, T, R, p).permute(0, 1, 3, 4, 2, 5).reshape(b, nc * T, R, h, p)[:, :L]
     if D is not None:
         y = y + D.to(y.dtype)[:, None] * v
     return y, (Theta[:, -1], carry, kr[:, -1], x[:, -1])
