@@ -21,13 +21,13 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import hardware_line, print_table  # noqa: E402
 
-from sonata.lab.race import RACE, RACE_MAMBA2, race_conclusion, speedrun, speedrun_source  # noqa: E402
+from sonata.lab.race import RACE, RACE_MAMBA2, RACE_NEW, race_conclusion, speedrun, speedrun_source  # noqa: E402
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget-s", type=float, default=600.0, help="training seconds per configuration")
-    ap.add_argument("--configs", nargs="+", default=list(RACE), choices=list(RACE) + list(RACE_MAMBA2))
+    ap.add_argument("--configs", nargs="+", default=list(RACE), choices=list(RACE) + list(RACE_MAMBA2) + list(RACE_NEW))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--curve-points", type=int, default=4)
     ap.add_argument("--out-dir", default=None, help="keep each run's folder (checkpoint.pt, metrics.jsonl) here")
@@ -39,7 +39,7 @@ def main(argv=None):
     print(hardware_line("cpu"))
     print(note, flush=True)          # before the first run: a fallback to the embedded corpus is not a race
     result = speedrun(args.configs, args.budget_s, source, curve_points=args.curve_points, seed=args.seed,
-                      out_dir=args.out_dir, progress="none", configs={**RACE, **RACE_MAMBA2})
+                      out_dir=args.out_dir, progress="none", configs={**RACE, **RACE_MAMBA2, **RACE_NEW})
     print_table(list(result.rows[0]), [list(r.values()) for r in result.rows],
                 title=f"the race: {args.budget_s:g} s of training per configuration")
     print(note)

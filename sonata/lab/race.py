@@ -86,7 +86,20 @@ RACE_MAMBA2 = {
 }
 
 
-STUDY07 = {**SPEEDRUN, **RACE, **RACE_MAMBA2}      # every configuration notebook 07 can run, by name
+# issue 53's rows: the newest families with the same levers, near the Mamba-1 row's 333,216
+# parameters: Mamba-3 as released, SISO at N=64 (340,408) and MIMO of rank 4 at N=16 (342,520),
+# and a Gated DeltaNet + attention hybrid at the d88 hybrid's width (325,590: 11 value heads of
+# 16 sharing one key head of 16)
+RACE_NEW = {
+    "mamba3-n64-fast-ctx512-wd0.3": {**RACE_COMMON, **BEST_LEVERS, "model.arch": "mamba3", "model.d_state": 64},
+    "mamba3-mimo4-n16-fast-ctx512-wd0.3": {**RACE_COMMON, **BEST_LEVERS, "model.arch": "mamba3",
+                                           "model.d_state": 16, "model.mimo_rank": 4, "model.chunk_size": 16},
+    "gdn-hybrid-d88-fast-ctx512-wd0.3": {**RACE_COMMON, **BEST_LEVERS, "model.layers": "gdn,attention",
+                                         "model.d_model": 88, "model.headdim": 16, "model.d_state": 16},
+}
+
+
+STUDY07 = {**SPEEDRUN, **RACE, **RACE_MAMBA2, **RACE_NEW}      # every configuration notebook 07 can run, by name
 
 
 def race_conclusion(rows: list[dict]) -> str:

@@ -56,6 +56,23 @@ def test_the_equal_size_hybrid_row_matches_mamba1s_parameters():
     assert [type(layer).__name__ for layer in small.layers] == ["Mamba2Block", "AttentionBlock"]
 
 
+def test_the_newest_families_race_near_mamba1s_size_with_the_same_levers():
+    """Issue 53's rows: Mamba-3 SISO and MIMO R=4 (released form) and the GDN hybrid, each within
+    3% of the Mamba-1 row's 333,216 parameters, with the best levers (context 512 x 4)."""
+    from sonata.lab.race import BEST_LEVERS, RACE_NEW
+    sizes = {"mamba3-n64-fast-ctx512-wd0.3": 340_408, "mamba3-mimo4-n16-fast-ctx512-wd0.3": 342_520,
+             "gdn-hybrid-d88-fast-ctx512-wd0.3": 325_590}
+    assert set(RACE_NEW) == set(sizes)
+    for name, want in sizes.items():
+        model = _built(RACE_NEW[name], 2048)
+        assert model.num_params() == want and abs(want - 333_216) / 333_216 < 0.03, name
+        assert all(RACE_NEW[name][k] == v for k, v in BEST_LEVERS.items()), name
+    blocks = {name: [type(layer).__name__ for layer in _built(over, 2048).layers] for name, over in RACE_NEW.items()}
+    assert blocks["gdn-hybrid-d88-fast-ctx512-wd0.3"] == ["GDNBlock", "AttentionBlock"]
+    mimo = _built(RACE_NEW["mamba3-mimo4-n16-fast-ctx512-wd0.3"], 2048).layers[0].mixer
+    assert mimo.released and mimo.rank == 4
+
+
 def test_the_gpt2_baseline_and_sonata_see_identical_batches():
     gpt_over = {"model.arch": "gpt2", "model.d_model": 32, "model.n_heads": 4}
     a = Trainer(make_config(tiny_overrides()), None, progress="none")
