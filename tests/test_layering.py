@@ -38,7 +38,7 @@ INSIDE = {
               {"decode"}, {"lm"}],
     "train": [{"memory", "leak", "plan", "schedule", "tensorboard_log", "record"},
               {"autotune", "distributed", "evaluate", "summary", "update", "stops"}, {"trainer"}],
-    "interop": [{"mamba3_module"}, {"hf", "hf_hybrid", "mamba2_ops", "mamba_ssm", "gdn_ops"}, {"hf_accelerate"}],
+    "interop": [{"mamba3_module", "shim"}, {"hf", "hf_hybrid", "mamba2_ops", "mamba_ssm", "gdn_ops"}, {"hf_accelerate"}],
     "lab": [{"plots", "peers"}, {"timing", "generate"},
             {"bench", "throughput", "race", "dynamics", "selection", "ssd"}, {"speed", "recall"}, {"notebook"}],
     "entry": [{"launch"}, {"__main__"}],

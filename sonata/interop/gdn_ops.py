@@ -43,15 +43,13 @@ a named parameter here.
 """
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import sys
-import types
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from sonata.interop import shim
 from sonata.kernels import causal_conv_silu, rms_norm_gated
 from sonata.kernels.gdn import gated_delta_rule, gated_delta_rule_step, l2norm
 
@@ -192,48 +190,17 @@ _SHIMS = {
 }
 
 
-def _installed(top: str) -> bool:
-    mod = sys.modules.get(top)
-    if mod is not None:
-        return not getattr(mod, "__sonata_shim__", False)
-    return importlib.util.find_spec(top) is not None
-
-
 def install() -> list[str]:
     """Make `from fla.ops.gated_delta_rule import chunk_gated_delta_rule` (and the other names
     above) resolve to these ops when fla is NOT installed, and let transformers send CPU tensors
     to them (module docstring). Call before transformers imports models/qwen3_next. -> the
     module names set up ([] where a real fla is installed)."""
-    if _installed("fla"):
+    if shim.installed("fla"):
         return []
-    this = sys.modules[__name__]
-    done = []
     for name, attrs in _SHIMS.items():
-        parts = name.split(".")
-        for i in range(1, len(parts) + 1):
-            sub = ".".join(parts[:i])
-            mod = sys.modules.get(sub)
-            if mod is None:
-                mod = types.ModuleType(sub, f"sonata.interop.gdn_ops shim for {sub} (sonata's CPU ops; fla is "
-                                            f"not installed)")
-                mod.__sonata_shim__ = True
-                mod.__path__ = []
-                mod.__spec__ = importlib.machinery.ModuleSpec(sub, None, is_package=True)
-                sys.modules[sub] = mod
-                if i > 1:
-                    setattr(sys.modules[".".join(parts[:i - 1])], parts[i - 1], mod)
-        for attr in attrs:
-            setattr(sys.modules[name], attr, getattr(this, attr))
-        done.append(name)
-    if importlib.util.find_spec("transformers") is not None:
-        try:
-            from transformers.integrations import hub_kernels
-        except Exception:        # a transformers without the integration: nothing to mark
-            return done
-        table = getattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", None)
-        if isinstance(table, dict) and "fla" in table:
-            table["fla"] = tuple(dict.fromkeys((*table["fla"], "cpu", "cuda")))
-    return done
+        shim.register(name, attrs, sys.modules[__name__], "sonata.interop.gdn_ops")
+    shim.serve_cpu_in_transformers({"fla"})
+    return list(_SHIMS)
 
 
 # --------------------------------------------------------------------------- patch

@@ -54,10 +54,8 @@ resolves them (transformers at import) never meets an op that refuses a form it 
 """
 from __future__ import annotations
 
-import importlib.machinery
 import math
 import sys
-import types
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +74,7 @@ from sonata.interop.mamba2_ops import (
     selective_state_update_heads,
     selective_state_update_heads_ref,
 )
+from sonata.interop import shim
 from sonata.interop.mamba3_module import Mamba3, heavy_tail_activation
 from sonata.kernels import causal_conv_silu, conv_silu, rms_norm, selective_scan
 from sonata.kernels.dispatch import compute_dtype
@@ -448,14 +447,6 @@ _SHIMS = {
 }
 
 
-def _installed(top: str) -> bool:
-    """Whether a real package `top` can be imported (a shim of ours does not count)."""
-    mod = sys.modules.get(top)
-    if mod is not None:
-        return not getattr(mod, "__sonata_shim__", False)
-    return importlib.machinery.PathFinder.find_spec(top) is not None
-
-
 def install() -> list[str]:
     """Make `from mamba_ssm.ops.selective_scan_interface import selective_scan_fn` (and the
     other ops' import paths above) resolve to sonata's ops, for each top-level package
@@ -466,48 +457,14 @@ def install() -> list[str]:
     imported, and keeps its own PyTorch path for the ops it does not find. -> the module
     names set up."""
     done = []
-    this = sys.modules[__name__]
     for name, attrs in _SHIMS.items():
-        top = name.split(".")[0]
-        if _installed(top):
-            continue
-        parts = name.split(".")
-        for i in range(1, len(parts) + 1):
-            sub = ".".join(parts[:i])
-            mod = sys.modules.get(sub)
-            if mod is None:
-                mod = types.ModuleType(sub, f"sonata.interop.mamba_ssm shim for {sub} (sonata's CPU ops; the real package is not installed)")
-                mod.__sonata_shim__ = True
-                mod.__path__ = []                # a package: its submodules resolve from sys.modules
-                mod.__spec__ = importlib.machinery.ModuleSpec(sub, None, is_package=True)
-                sys.modules[sub] = mod
-                if i > 1:
-                    setattr(sys.modules[".".join(parts[:i - 1])], parts[i - 1], mod)
-        for attr in attrs:
-            setattr(sys.modules[name], attr, getattr(this, attr))
-        done.append(name)
-    _serve_cpu_in_transformers({name.split(".")[0] for name in done})
+        if not shim.installed(name.split(".")[0]):     # a real installation always wins
+            shim.register(name, attrs, sys.modules[__name__], "sonata.interop.mamba_ssm")
+            done.append(name)
+    # transformers 5.25 and later send CPU tensors to its own PyTorch path even where an op's
+    # package imports: the shim's ops run on CPU (and on CUDA through Triton)
+    shim.serve_cpu_in_transformers({name.split(".")[0] for name in done})
     return done
-
-
-def _serve_cpu_in_transformers(tops: set[str]) -> None:
-    """transformers 5.25 and later send CPU tensors to its own PyTorch path even where an op's
-    package imports (`_PACKAGE_SUPPORTED_DEVICES`: mamba_ssm and causal_conv1d run on "cuda"
-    only); each op reads that table when its model module is imported. The shim's ops run on
-    CPU (and on CUDA through Triton), so the packages served here are marked for both. A real
-    installation is left as transformers says (it is skipped above and not in `tops`); a
-    transformers without the table (before 5.25) or none at all is left alone."""
-    import importlib.util
-    if not tops or importlib.util.find_spec("transformers") is None:
-        return
-    try:
-        from transformers.integrations import hub_kernels
-    except Exception:            # a transformers too old for the integration: nothing to mark
-        return
-    table = getattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", None)
-    if isinstance(table, dict):
-        for top in tops & set(table):
-            table[top] = tuple(dict.fromkeys((*table[top], "cpu", "cuda")))
 
 
 __all__ = ["Mamba3", "heavy_tail_activation", "selective_scan_fn", "selective_scan_ref", "mamba_inner_fn", "mamba_inner_ref", "causal_conv1d_fn",

@@ -58,8 +58,8 @@ def _both(runs, family):
 def test_mamba_ssm_is_not_installed_here_and_the_shim_silences_transformers_fallbacks(runs):
     """The comparison means something only if the plain process ran transformers' own path:
     it warns that mamba_ssm is missing; the shim's process never does."""
-    from sonata.interop.mamba_ssm import _installed
-    assert not _installed("mamba_ssm") and not _installed("causal_conv1d")
+    from sonata.interop.shim import installed
+    assert not installed("mamba_ssm") and not installed("causal_conv1d")
     _, _, logs = runs
     assert re.search(r"mamba_ssm`? is (either )?not installed", logs["plain"]), logs["plain"][-3000:]
     assert "is falling back to its reference PyTorch implementation" not in logs["shim"], logs["shim"][-3000:]
