@@ -21,6 +21,26 @@ def dt_bias_init(cfg: ModelConfig, count: int | None = None) -> torch.Tensor:
     return dt + torch.log(-torch.expm1(-dt))
 
 
+def head_layout_errors(cfg: ModelConfig, family: str, kept: str = "A", heads: str = "heads", groups: str = "",
+                       into: str = "") -> list[str]:
+    """The errors of a headed family's layout (Mamba-2, Mamba-3, Gated DeltaNet): headdim divides
+    d_inner, ngroups divides the heads, the chunk is positive, and A stays negative by construction
+    (model.a_param=log). `kept`, `heads`, `groups` and `into` say it in the family's words. Writes
+    nothing."""
+    errors = []
+    if cfg.headdim <= 0 or cfg.d_inner % cfg.headdim:
+        errors.append(f"model.headdim ({cfg.headdim}) must divide d_inner = model.expand x model.d_model "
+                      f"({cfg.d_inner}){into}")
+    elif cfg.ngroups <= 0 or cfg.nheads % cfg.ngroups:
+        errors.append(f"model.ngroups ({cfg.ngroups}{groups}) must divide the {cfg.nheads} {heads} (d_inner / headdim)")
+    if cfg.chunk_size <= 0:
+        errors.append("model.chunk_size must be positive")
+    if cfg.a_param != "log":
+        errors.append(f"model.a_param=direct is the Mamba-1 ablation; {family} layers keep {kept} negative by "
+                      f"construction (model.a_param=log)")
+    return errors
+
+
 class PreNormBlock(nn.Module):
     """Pre-norm residual block: h + mixer(norm(h)). The mixer's `forward(x, state,
     return_state)`, `step` and `prefill` are passed through with the residual added."""

@@ -36,7 +36,7 @@ from sonata.core.config import ModelConfig
 from sonata.kernels import causal_conv_silu, rms_norm_gated
 from sonata.kernels.dispatch import compute_dtype
 from sonata.kernels.gdn import gated_delta_rule, gated_delta_rule_step, l2norm
-from sonata.model.block import PreNormBlock, dt_bias_init
+from sonata.model.block import PreNormBlock, dt_bias_init, head_layout_errors
 from sonata.model.quant import QLinear
 
 
@@ -144,19 +144,8 @@ def check(cfg: ModelConfig) -> list[str]:
     """The head layout's errors (sonata.model.families): headdim divides d_inner (the value
     heads), ngroups divides the value heads (the key heads), a positive chunk; A is negative by
     construction. Writes nothing."""
-    errors = []
-    if cfg.headdim <= 0 or cfg.d_inner % cfg.headdim:
-        errors.append(f"model.headdim ({cfg.headdim}) must divide d_inner = model.expand x model.d_model "
-                      f"({cfg.d_inner}) into gdn value heads")
-    elif cfg.ngroups <= 0 or cfg.nheads % cfg.ngroups:
-        errors.append(f"model.ngroups ({cfg.ngroups}, gdn's key heads) must divide the {cfg.nheads} value heads "
-                      f"(d_inner / headdim)")
-    if cfg.chunk_size <= 0:
-        errors.append("model.chunk_size must be positive")
-    if cfg.a_param != "log":
-        errors.append("model.a_param=direct is the Mamba-1 ablation; gdn layers keep their decay negative by "
-                      "construction (model.a_param=log)")
-    return errors
+    return head_layout_errors(cfg, "gdn", kept="their decay", heads="value heads", groups=", gdn's key heads",
+                              into=" into gdn value heads")
 
 
 class GDNBlock(PreNormBlock):

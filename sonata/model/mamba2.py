@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from sonata.core.config import ModelConfig
 from sonata.kernels import causal_conv_silu
 from sonata.kernels.ssd import ssd, ssd_packed, ssd_step
-from sonata.model.block import PreNormBlock, dt_bias_init
+from sonata.model.block import PreNormBlock, dt_bias_init, head_layout_errors
 from sonata.model.norm import GatedRMSNorm
 from sonata.model.quant import QLinear, fake_quant_int8
 
@@ -155,18 +155,7 @@ class Mamba2Mixer(nn.Module):
 def check(cfg: ModelConfig) -> list[str]:
     """The SSD head layout's errors (sonata.model.families; Mamba-3 shares it): headdim divides
     d_inner, ngroups divides the heads, and A is negative by construction. Writes nothing."""
-    errors = []
-    if cfg.headdim <= 0 or cfg.d_inner % cfg.headdim:
-        errors.append(f"model.headdim ({cfg.headdim}) must divide d_inner = model.expand x model.d_model "
-                      f"({cfg.d_inner})")
-    elif cfg.ngroups <= 0 or cfg.nheads % cfg.ngroups:
-        errors.append(f"model.ngroups ({cfg.ngroups}) must divide the {cfg.nheads} heads (d_inner / headdim)")
-    if cfg.chunk_size <= 0:
-        errors.append("model.chunk_size must be positive")
-    if cfg.a_param != "log":
-        errors.append("model.a_param=direct is the Mamba-1 ablation; mamba2 and mamba3 layers keep A "
-                      "negative by construction (model.a_param=log)")
-    return errors
+    return head_layout_errors(cfg, "mamba2 and mamba3")
 
 
 class Mamba2Block(PreNormBlock):
