@@ -177,6 +177,16 @@ class MetricsLog:
     resume branches from (its checkpoint is in another folder), whose rows through the
     checkpoint's step start this file when it does not exist yet."""
 
+    @classmethod
+    def for_run(cls, out_dir, step: int, last_row: dict | None, resumed_from=None) -> "MetricsLog":
+        """A run's metrics.jsonl in `out_dir`, resumed at `step` from the checkpoint file
+        `resumed_from` (None: a new run); a branch from another folder's checkpoint starts with
+        that run's rows."""
+        out_dir = Path(out_dir)
+        branched = resumed_from is not None and Path(resumed_from).resolve().parent != out_dir.resolve()
+        return cls(out_dir / "metrics.jsonl", through_step=step, last_row=last_row,
+                   source=Path(resumed_from).parent / "metrics.jsonl" if branched else None)
+
     def __init__(self, path, through_step: int = 0, last_row: dict | None = None, source=None):
         self.path = Path(path)
         read = self.path if self.path.exists() or source is None else Path(source)

@@ -265,6 +265,26 @@ class StepAgreement:
         return StepAgreement(int(peak), int(step_peak), int(signum) or None, seconds)
 
 
+def step_agreement(signum, step_seconds):
+    """The memory guard's `agree` for a data-parallel step: before the step (no readings), its
+    trip agreed; after it, this rank's readings (peak so far, step peak), its stop signal
+    (`signum()`) and step time (`step_seconds()`) agreed over the ranks as the StepAgreement."""
+    def agree(err: MemoryBudgetExceeded | None, readings) -> StepAgreement | None:
+        if readings is None:
+            agree_on_trip(err)
+            return None
+        return StepAgreement(int(readings[0]), int(readings[1]), signum(), step_seconds()).over_ranks(err)
+    return agree
+
+
+def wrap(model, device):
+    """The model in DistributedDataParallel (its construction broadcasts rank 0's weights: a
+    collective, so a lost peer is one line)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    with collective("DDP construction"):
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
 def agree_on_loss(loss: float, bad: bool) -> tuple[float, bool]:
     """The mean loss over ranks, and whether any rank saw a non-finite loss or gradient
     (then every rank skips the step)."""

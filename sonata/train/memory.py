@@ -345,6 +345,18 @@ class StepWatch:
         return False
 
 
+def refuse_over_budget(device: torch.device, budget: int, what: str) -> None:
+    """A MemoryBudgetExceeded when this process already holds more than `budget` (what the guard
+    counts: the resident set on CPU, allocated bytes on CUDA), so the first step would trip the
+    guard: the Trainer asks before a run writes a file (the command line before it claims the
+    folder, run() before it starts). `what` names the budget's source."""
+    used = current_bytes(device)
+    if used > budget:
+        raise MemoryBudgetExceeded(
+            f"this process already uses {fmt_mib(used)} before training starts, over the budget of "
+            f"{fmt_mib(budget)} ({what})", "raise profile.memory_budget_mb", budget_bytes=budget, used_bytes=used)
+
+
 def too_few_steps(need: int) -> str:
     """What a table cell or a verdict says when a run is too short to judge something."""
     return f"too few steps to judge: need at least {need}"

@@ -35,7 +35,7 @@ from sonata.train.autotune import choose_plan
 from sonata.train.evaluate import EvalResult, evaluate_stream
 from sonata.train.leak import InjectedLeak, LeakDetector
 from sonata.train.memory import (MemoryBudgetExceeded, MemoryGuard, available_ram_bytes, current_bytes,
-                           device_total_bytes, peak_memory_bytes, release_free_memory, steady_cpu_heap)
+                                 refuse_over_budget, device_total_bytes, peak_memory_bytes, release_free_memory, steady_cpu_heap)
 from sonata.core.progress import Progress
 from sonata.core.rng import rng_state, seed_everything, set_rng_state
 from sonata.data.tasks import TaskSampler, evaluate_task, make_task
@@ -130,6 +130,25 @@ def weights_misfit(model: torch.nn.Module, weights: dict, arch: str | None = Non
     if extra:
         parts.append(f"{len(extra)} of the checkpoint's are not in this model, the first {extra[0]}")
     return "; ".join(parts) + archs
+
+
+def load_initial_weights(model: torch.nn.Module, model_state: dict, model_cfg, arch: str | None = None) -> None:
+    """Another run's weights into `model` (the optimizer, schedule and data start afresh).
+    Weights of another architecture or shape are a CheckpointError naming the first misfit
+    (`weights_misfit`; `arch`: the weights' model.arch, named when the keys differ), and so is an
+    untied head loaded into a tied model (it would overwrite the embedding it shares)."""
+    head, emb = model_state.get("lm_head.weight"), model_state.get("embedding.weight")
+    if (model_cfg.tie_embeddings and head is not None and emb is not None and head is not emb
+            and not torch.equal(head, emb)):
+        raise CheckpointError("the initial weights have their own output head (untied): train with "
+                              "model.tie_embeddings=false")
+    misfit = weights_misfit(model, model_state, arch, model_cfg)
+    if misfit:
+        raise CheckpointError(f"the initial weights do not fit this model: {misfit}")
+    try:
+        model.load_state_dict(model_state)
+    except (RuntimeError, KeyError) as e:
+        raise CheckpointError(f"the initial weights do not fit this model: {str(e).splitlines()[0][:200]}") from None
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -251,23 +270,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
 
     def start_from(self, model_state: dict, arch: str | None = None) -> None:
-        """A new run from another run's weights (`train --init`, notebook 08's second phase):
-        the model's parameters, nothing else (the optimizer, schedule and data start afresh).
-        Weights of another architecture or shape are a CheckpointError naming the first misfit
-        (`weights_misfit`; `arch`: the weights' model.arch, named when the keys differ), and so
-        is an untied head loaded into a tied model (it would overwrite the embedding it shares)."""
-        head, emb = model_state.get("lm_head.weight"), model_state.get("embedding.weight")
-        if (self.cfg.model.tie_embeddings and head is not None and emb is not None and head is not emb
-                and not torch.equal(head, emb)):
-            raise CheckpointError("the initial weights have their own output head (untied): train with "
-                                  "model.tie_embeddings=false")
-        misfit = weights_misfit(self.model, model_state, arch, self.cfg.model)
-        if misfit:
-            raise CheckpointError(f"the initial weights do not fit this model: {misfit}")
-        try:
-            self.model.load_state_dict(model_state)
-        except (RuntimeError, KeyError) as e:
-            raise CheckpointError(f"the initial weights do not fit this model: {str(e).splitlines()[0][:200]}") from None
+        """A new run from another run's weights (`train --init`, notebook 08's second phase): the
+        model's parameters, nothing else (`load_initial_weights`)."""
+        load_initial_weights(self.model, model_state, self.cfg.model, arch)
 
     def model_is_finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
@@ -397,18 +402,9 @@ class Trainer:
             return self._run(on_step)
 
     def check_budget(self) -> None:
-        """A MemoryBudgetExceeded when this process already holds more than the memory budget (what
-        the guard counts: the resident set on CPU, allocated bytes on CUDA), so the first step would
-        trip the guard: said before the run writes a file (the command line asks before it claims
-        the folder, run() before it starts)."""
-        from sonata.train.memory import fmt_mib
-        used, budget = current_bytes(self.device), self.profile.memory_budget_bytes
-        if used > budget:
-            raise MemoryBudgetExceeded(
-                f"this process already uses {fmt_mib(used)} before training starts, over the budget of "
-                f"{fmt_mib(budget)} ({self.guard.what})", "raise profile.memory_budget_mb",
-                budget_bytes=budget, used_bytes=used)
-
+        """A MemoryBudgetExceeded when this process already holds more than the memory budget, said
+        before the run writes a file (`memory.refuse_over_budget`)."""
+        refuse_over_budget(self.device, self.profile.memory_budget_bytes, self.guard.what)
 
     def _run(self, on_step) -> dict:
         t, sch, rec = self.cfg.train, self.schedule, self.record
@@ -417,7 +413,9 @@ class Trainer:
         with stops.on_lost_peer(run):            # autotuning and DDP's construction talk to the peers too
             self._prepare()
         rec.setup_seconds = time.perf_counter() - t_start       # autotuning, DDP, kernel warm-up
-        metrics = self._metrics_log() if self.out_dir else None
+        metrics = (ckpt.MetricsLog.for_run(self.out_dir, self.record.step, self.record.resumed_last_row,
+                                           self.record.resumed_from_file)
+                   if self.out_dir and self.ranks.is_main else None)
         tboard = TensorBoardLog(self.out_dir) if metrics and t.tensorboard else None
         speed = Throughput()
         last_eval: EvalResult | None = None
@@ -494,10 +492,8 @@ class Trainer:
             self.update.warm(self.plan, self.cfg.data.seq_len)
         rank = self.ranks.rank
         if self.ranks.parallel and self._net is None:
-            from torch.nn.parallel import DistributedDataParallel as DDP
             inject.exit_point("prepare", rank)                # test-only; nothing when unset
-            with distributed.collective("DDP construction"):     # it broadcasts rank 0's weights
-                self._net = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            self._net = distributed.wrap(self.model, self.device)
         hook = inject.trip_hook(rank) if self.ranks.parallel else None      # test-only; None when unset
         if hook is not None:
             self.before_step.append(hook)
@@ -515,7 +511,8 @@ class Trainer:
         sch = self.schedule
         progress = sch.progress() if sch.budgeted else None      # what the step's rate is set from
         signum = (lambda: stop.signum) if stop is not None else (lambda: None)
-        agree = self._agreement(signum) if self.ranks.parallel else None
+        agree = (distributed.step_agreement(signum, lambda: self.record.step_seconds) if self.ranks.parallel
+                 else None)
         row = None
         try:
             with self.guard.watch(self.record.step, agree) as watch:
@@ -531,18 +528,6 @@ class Trainer:
         row["mem_bytes"], row["step_peak_bytes"] = watch.mem_bytes, agreed.step_peak_bytes
         sch.count(agreed.step_seconds, row, progress)     # data parallel: every rank counts the same time
         return row, agreed
-
-    def _agreement(self, signum):
-        """The guard's `agree` for a data-parallel step: before the step, its trip agreed; after
-        it, also this rank's readings (peak so far, step peak), its signal (`signum()`) and step
-        time, agreed as the step's StepAgreement."""
-        def agree(err: MemoryBudgetExceeded | None, readings) -> StepAgreement | None:
-            if readings is None:
-                distributed.agree_on_trip(err)
-                return None
-            mine = StepAgreement(int(readings[0]), int(readings[1]), signum(), self.record.step_seconds)
-            return mine.over_ranks(err)
-        return agree
 
     # ------------------------------------------------------------------ what run() hands over
     def _handle(self) -> stops.RunHandle:
@@ -562,16 +547,6 @@ class Trainer:
             self.sampler.load_state_dict(sampler)
             set_rng_state(rng)
             self.optimizer.zero_grad(set_to_none=True)
-
-    def _metrics_log(self) -> ckpt.MetricsLog | None:
-        """Rank 0's metrics.jsonl (a branch from another folder's checkpoint starts with its rows)."""
-        if not self.ranks.is_main:
-            return None
-        source = self.record.resumed_from_file
-        branched = source is not None and source.resolve().parent != self.out_dir.resolve()
-        return ckpt.MetricsLog(self.out_dir / "metrics.jsonl", through_step=self.record.step,
-                               last_row=self.record.resumed_last_row,
-                               source=source.parent / "metrics.jsonl" if branched else None)
 
     def _summary(self, last_eval, speed: Throughput, wall_s: float) -> dict:
         """The run's summary (an int8 run's report added), written to summary.json by rank 0."""
