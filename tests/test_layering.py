@@ -40,7 +40,7 @@ INSIDE = {
               {"autotune", "distributed", "evaluate", "summary", "update", "stops"}, {"trainer"}],
     "interop": [{"mamba3_module", "shim"}, {"hf", "hf_hybrid", "mamba2_ops", "mamba_ssm", "gdn_ops"}, {"hf_accelerate"}],
     "lab": [{"plots", "peers"}, {"timing", "generate"},
-            {"bench", "throughput", "race", "dynamics", "selection", "ssd"}, {"speed", "recall"}, {"notebook"}],
+            {"bench", "throughput", "race", "dynamics", "selection", "ssd"}, {"speed", "recall"}, {"table5b"}, {"notebook"}],
     "entry": [{"launch"}, {"__main__"}],
 }
 ENTRY_POINTS = {"__main__", "launch"}

@@ -47,6 +47,9 @@ TINY = {
                                       mqar_length=16, mqar_vocab=16, mqar_d_model=16, mqar_steps=3,
                                       track_tasks=["parity", "modsum"], track_length=8, track_lengths=[8, 32],
                                       track_d_model=16, track_d_state=4, track_steps=3, spread_seeds=[1], n_test=4),
+    "11_state_tracking_table.ipynb": dict(models=["mamba2", "mamba3-mimo4", "gdn-neg", "attention"], steps=3,
+                                          length=8, test_lengths=[8, 16], d_model=16, d_state=8, n_test=4,
+                                          spread_seeds=[1]),
     "09_mamba2_ssd.ipynb": dict(duality_length=40, block_length=32, block_chunk=8, lengths=[32, 64],
                                 time_repeat=1, states=[8, 16], cost_length=32, race_steps=3, race_d_model=16,
                                 race_seq_len=16, race_batch=2),
@@ -337,6 +340,23 @@ def test_notebook_10_trains_recall_against_n_and_state_tracking_by_length(tmp_pa
     assert _images(nb) == 3                     # accuracy against N; parity and modsum by length
 
 
+@pytest.mark.notebook
+def test_notebook_11_runs_the_state_tracking_table_beside_the_papers(tmp_path):
+    nb, text = _run("11_state_tracking_table.ipynb", tmp_path)
+    # 3 tasks x 4 models at seed 0, then parity again at seed 1: 16 runs of 3 steps, all reached
+    for run in ("parity-mamba2-seed0", "arith-mamba3-mimo4-seed0", "arith_brackets-gdn-neg-seed0",
+                "arith_brackets-attention-seed0", "parity-gdn-neg-seed1"):
+        assert json.loads((tmp_path / "run" / run / "summary.json").read_text())["steps"] == 3, run
+    assert "every run reached its planned steps (16 runs)" in text
+    assert "scaled accuracy (%) at length 16, trained at 8" in text
+    for line in ("Mamba-3 MIMO R=4", "Gated DeltaNet [-1, 1]", "arith. w/ brackets", "Mamba-3 w/ standard RoPE",
+                 "98.51", "2 seeds)"):
+        assert line in text, line
+    assert re.search(r"parity, Gated DeltaNet \[-1, 1\]: at least 90 scaled at 16\? (yes|no) \(-?\d+\.\d\)", text)
+    assert "parity, Mamba-3 SISO: at least 90 scaled at 16? not run (-)" in text
+    assert _images(nb) == 3                     # accuracy by length, one plot per task
+
+
 # ---- parameters: ranges stated, checked, and every value inside them runs
 
 def _smallest(spec):
@@ -482,6 +502,9 @@ OUT_OF_RANGE = {
                       "mamba2-n16 | mamba2-n64 | hybrid-n64"),
     "10_recall_and_state": ("mqar_vocab", 16, "parameter mqar_vocab = 16 has too few keys for mqar_length = 64: "
                             "its mqar_length / 4 pairs need distinct keys, mqar_vocab / 2 - 1 of them"),
+    "11_state_tracking_table": ("models", ["mamba3", "mamba"], "parameter models = ['mamba3', 'mamba'] holds "
+                                "'mamba', which is not allowed; allowed: 1 to 7 values, each one of mamba2 | mamba3 | "
+                                "mamba3-mimo4 | mamba3-dt1 | gdn | gdn-neg | attention"),
     "08_selection": ("long_curriculum", "64,128", "parameter long_curriculum = '64,128' is not length:steps pairs "
                                                   "then a last length; allowed: length:steps pairs, then a last length"),
 }

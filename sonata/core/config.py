@@ -57,6 +57,8 @@ class ModelConfig:
                                 # paper: per-head angle Delta theta, biased A and lambda, Mamba-2's gated norm)
     mimo_rank: int = 1          # mamba3 released: 1 SISO, R > 1 MIMO of rank R (mamba_ssm's mimo_rank)
     outproj_norm: bool = False  # mamba3 released: a per-head RMSNorm before the gate (mamba_ssm's is_outproj_norm)
+    allow_neg_eigval: bool = False  # gdn: beta = 2 sigmoid(b), so the delta rule's transition has eigenvalues
+                                # in (-1, 1] (fla's allow_neg_eigval; Grazzi et al. 2025): parity needs them
     tie_embeddings: bool = True # the output head shares the embedding's weight (false: its own, nn.Linear's init)
     embed_std: float = 0.02     # the embedding's initial standard deviation (mamba_ssm's 0.02; 1.0: unit-variance inputs)
     layers: str = ""            # a hybrid stack, one block per layer: e.g. mamba2,mamba2,attention,mamba2
@@ -155,7 +157,8 @@ class ProfileConfig:
     precision: str = ""         # what train.precision=auto means under this profile
 
 
-TASKS = ("induction", "copying", "mqar", "parity", "modsum")
+MODULAR = ("modsum", "arith", "arith_brackets")      # the tasks task.modulus applies to
+TASKS = ("induction", "copying", "mqar", "parity", "modsum", "arith", "arith_brackets")
 
 
 @dataclass
@@ -163,12 +166,13 @@ class TaskConfig:
     """A synthetic task of the Mamba papers instead of language modeling (sonata.data.tasks): fresh
     sequences of length data.seq_len every step, the loss on the answer positions only."""
     name: str = ""              # "": language modeling on data.*; induction | copying | mqar | parity | modsum
+                                # | arith | arith_brackets (modular arithmetic without / with brackets)
     n_data: int = 16            # copying: data tokens per sequence (data.seq_len = noise region + n_data)
     vocab_size: int = 8192      # mqar: keys 1..V/2-1, values V/2..V-1, 0 the filler (8192: the Mamba-2 paper's)
     n_pairs: int = 0            # mqar: key-value pairs per sequence (0: a quarter of each length, the paper's T/4)
     mix_pairs: bool = False     # mqar: each training batch draws D, D/2, D/4 or D/8 pairs (Zoology's mix); scored at D
-    modulus: int = 5            # modsum: tokens 0..m-1, the answer their sum mod m
-    running: bool = False       # parity, modsum: the loss at every position (each prefix's answer), not the last only
+    modulus: int = 5            # modsum, arith, arith_brackets: numbers 0..m-1, the answer mod m
+    running: bool = False       # parity, modsum, arith: the loss at every prefix's answer, not the last only
     curriculum: str = ""        # "L:S,L:S,...,L": S steps at length L, then the next; the last length to the end ("": data.seq_len)
     eval_seqs: int = 256        # validation: this many fixed sequences at data.seq_len
     eval_seed: int = 1234       # the validation set's seed (test sets: see `python -m sonata eval --lengths`)
@@ -418,10 +422,14 @@ class Config:
         _check(k.name != "mqar" or 4 <= k.vocab_size <= 65536,
                f"task.vocab_size must be in 4..65536 (keys 1..V/2-1, values V/2..V-1), not {k.vocab_size}")
         _check(k.n_pairs >= 0, "task.n_pairs must be >= 0 (0 = a quarter of each sequence's length)")
-        _check(k.name != "modsum" or 2 <= k.modulus <= 65536, f"task.modulus must be in 2..65536, not {k.modulus}")
-        _check(not k.running or k.name in ("parity", "modsum"),
-               f"task.running=true is for task.name=parity or modsum, not {k.name or '(none)'}")
-        min_len = {"induction": 4, "copying": 2 * k.n_data, "mqar": 4 * (k.n_pairs or 1)}.get(k.name, 1)
+        _check(k.name not in MODULAR or 2 <= k.modulus <= 65536, f"task.modulus must be in 2..65536, not {k.modulus}")
+        _check(not k.running or k.name in ("parity", "modsum", "arith"),
+               f"task.running=true is for task.name=parity, modsum or arith, not {k.name or '(none)'}")
+        min_len = {"induction": 4, "copying": 2 * k.n_data, "mqar": 4 * (k.n_pairs or 1),
+                   "arith_brackets": 2}.get(k.name, 1)
+        if k.name == "arith_brackets":          # its generator recurses about length / 4 deep
+            for length in [d.seq_len] + [n for n, _ in parse_curriculum(k.curriculum)]:
+                _check(length <= 16384, f"task arith_brackets sequences are at most 16384 positions, not {length}")
         if k.name == "mqar":                    # each length's pairs need distinct keys
             for length in [d.seq_len] + [n for n, _ in parse_curriculum(k.curriculum)]:
                 pairs, keys = k.n_pairs or length // 4, k.vocab_size // 2 - 1

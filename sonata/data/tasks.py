@@ -1,6 +1,7 @@
 """Synthetic tasks of the Mamba papers: induction heads and selective copying (Mamba, Gu and Dao
 2023, section 4.1), multi-query associative recall (Mamba-2, Dao and Gu 2024, section 9.1), and
-state tracking: parity and a modular sum (Mamba-3, Lahoti et al. 2026). Seeded generators that
+state tracking: parity, a modular sum and modular arithmetic without and with brackets
+(Mamba-3, Lahoti et al. 2026). Seeded generators that
 draw fresh sequences every step, and the formats written out exactly, so anyone can generate the
 same data.
 
@@ -68,6 +69,28 @@ running parity: every prefix, so every length up to L, in one sequence); the sco
 validation and test lengths alike, stays the last position's. Chance 1/m.
 `STATE_TRACKING` holds the trained length and the longer test lengths.
 
+Modular arithmetic without and with brackets (`ModularArithmetic`, `ModularArithmeticBrackets`:
+the other two columns of the Mamba-3 paper's state-tracking table, Table 5b, which takes both
+from Grazzi et al. 2025, who take them from Deletang et al. 2023; modulus m = 5 there).
+
+Without brackets (`arith`). Vocabulary m + 3: ids 0..m - 1 the numbers (and the answers), m
+'+', m + 1 '-', m + 2 '*'. A sequence of length L (L >= 1) alternates number, operator,
+number, .., number, each number uniform in 0..m - 1, each operator uniform among the three;
+at an even L position 0 holds a leading '+' (0 + ..., the value unchanged), so the last
+position is always a number. The answer is the expression's value mod m with multiplication
+binding first (1 + 2 * 3 = 2 mod 5; Deletang et al.'s rule), read at the last position.
+`task.running=true`: the training loss at every number, on the value of the expression that
+ends there (its prefix); the score stays the last position's. Chance 1/m.
+
+With brackets (`arith_brackets`). Vocabulary m + 5: ids 0..m - 1 the numbers, m '+', m + 1
+'-', m + 2 '(', m + 3 ')', m + 4 '='. A sequence of length L (2 <= L <= 16,384) is an
+expression of L - 1 tokens, then '='. An expression of n tokens is, for n = 1..4, d, -d, (d)
+or (-d) with d uniform in 0..m - 1; for n >= 5, (E1 op E2) with E1 of n1 tokens, n1 uniform in
+1..n - 4, E2 of n - n1 - 3, op '+' or '-' with probability 1/2 (Grazzi et al.'s generator,
+without '*' as they ran it). The answer is its value mod m, read at the '=' (the last
+position, the only one with a loss). A prefix has no value, so there is no `running` form.
+Chance 1/m.
+
 Determinism. `draw(n, length, gen)` takes a torch.Generator: a training sampler owns one and
 checkpoints its state (`TaskSampler`), so a resumed run sees the same sequences. Evaluation
 sets are fixed by (seed, length): sequence r of the set is drawn by generators seeded by
@@ -78,6 +101,7 @@ and MQAR draw each row whole, from one generator, as in training).
 """
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass
 
@@ -359,6 +383,131 @@ class Parity(ModularSum):
         super().__init__(2, running)
 
 
+class ModularArithmetic(Task):
+    """Modular arithmetic without brackets (see the module docstring): numbers and +, -, *
+    alternating, multiplication first, the value mod m at the last position (every number's
+    prefix value with `running`)."""
+    name = "arith"
+
+    def __init__(self, modulus: int = 5, running: bool = False):
+        if modulus < 2:
+            raise ValueError(f"{self.name} needs a modulus of at least 2, got {modulus}")
+        self.modulus, self.running = modulus, running
+        self.PLUS, self.MINUS, self.TIMES = modulus, modulus + 1, modulus + 2
+        self.vocab_size = modulus + 3
+
+    def number_positions(self, length: int) -> torch.Tensor:
+        """Where the numbers are: the odd positions of an even length (position 0 holds a
+        leading '+'), the even ones of an odd length; the last position is always a number."""
+        return torch.arange(length % 2 == 0, length, 2)
+
+    def prefix_values(self, nums: torch.Tensor, ops: torch.Tensor) -> torch.Tensor:
+        """nums (n, k) in 0..m-1, ops (n, k - 1) among PLUS/MINUS/TIMES -> (n, k): the value
+        mod m of the expression ending at each number (multiplication binds first)."""
+        m = self.modulus
+        done = torch.zeros_like(nums[:, 0])                  # the sum of the finished terms
+        term = nums[:, 0].clone()                            # the open term (its sign included)
+        out = torch.empty_like(nums)
+        out[:, 0] = term
+        for j in range(1, nums.shape[1]):
+            op, v = ops[:, j - 1], nums[:, j]
+            times = op == self.TIMES
+            done = torch.where(times, done, (done + term) % m)
+            term = torch.where(times, term * v, torch.where(op == self.PLUS, v, -v)) % m
+            out[:, j] = (done + term) % m
+        return out
+
+    def draw(self, n, length, gen):
+        self.check_length(length)
+        pos = self.number_positions(length)
+        k = len(pos)
+        nums = torch.randint(0, self.modulus, (n, k), generator=gen)
+        ops = torch.randint(0, 3, (n, k - 1), generator=gen) + self.PLUS
+        x = torch.full((n, length), self.PLUS, dtype=torch.long)       # a leading '+' at an even length
+        x[:, pos] = nums
+        x[:, pos[1:] - 1] = ops
+        values = self.prefix_values(nums, ops)
+        if self.running:
+            return x, Answers(pos, values)
+        return x, Answers(torch.tensor([length - 1]), values[:, -1:])
+
+    def _eval_meta(self, length, seed, row):
+        return self.draw(1, length, _seeded(seed, length, row, -1))         # (x, answers) of the row
+
+    def _eval_piece(self, meta, length, seed, row, i, t0):
+        return meta[0][0, t0:t0 + EVAL_BLOCK]
+
+    def _answers(self, metas, length):
+        last = torch.tensor([length - 1])
+        return Answers(last, torch.cat([ans.target[:, -1:] for _, ans in metas]))     # scored at the end
+
+    def chance(self) -> float:
+        return 1 / self.modulus
+
+    def summary(self, length: int) -> dict:
+        return {**super().summary(length), "modulus": self.modulus, "running": self.running}
+
+
+class ModularArithmeticBrackets(Task):
+    """Modular arithmetic with brackets (see the module docstring): a random bracketed
+    expression of + and - over 0..m-1, then '=', its value mod m read at '='."""
+    name = "arith_brackets"
+    min_length = 2
+    max_length = 1 << 14            # the generator recurses about length / 4 deep
+
+    def __init__(self, modulus: int = 5):
+        if modulus < 2:
+            raise ValueError(f"{self.name} needs a modulus of at least 2, got {modulus}")
+        self.modulus = modulus
+        self.PLUS, self.MINUS, self.OPEN, self.CLOSE, self.EQUALS = range(modulus, modulus + 5)
+        self.vocab_size = modulus + 5
+
+    def check_length(self, length: int) -> None:
+        super().check_length(length)
+        if length > self.max_length:
+            raise ValueError(f"{self.name} sequences are at most {self.max_length} positions, got {length}")
+
+    def expression(self, length: int, rng: random.Random) -> tuple[list[int], int]:
+        """A random expression of exactly `length` tokens and its value mod m: 1 to 4 tokens
+        are d, -d, (d), (-d); longer ones are (left op right), the left part's length uniform
+        in 1..length - 4, op + or -."""
+        m, d = self.modulus, rng.randrange(self.modulus)
+        short = {1: ([d], d), 2: ([self.MINUS, d], -d % m), 3: ([self.OPEN, d, self.CLOSE], d),
+                 4: ([self.OPEN, self.MINUS, d, self.CLOSE], -d % m)}
+        if length in short:
+            return short[length]
+        left_n = rng.randint(1, length - 4)
+        left, a = self.expression(left_n, rng)
+        right, b = self.expression(length - left_n - 3, rng)
+        plus = rng.random() < 0.5
+        return ([self.OPEN, *left, self.PLUS if plus else self.MINUS, *right, self.CLOSE],
+                (a + b if plus else a - b) % m)
+
+    def draw(self, n, length, gen):
+        self.check_length(length)
+        x = torch.empty((n, length), dtype=torch.long)
+        y = torch.empty((n, 1), dtype=torch.long)
+        for r in range(n):                 # each row from its own stream, seeded by `gen`
+            toks, val = self.expression(length - 1, random.Random(int(torch.randint(1 << 62, (1,), generator=gen))))
+            x[r, :-1], x[r, -1], y[r, 0] = torch.tensor(toks), self.EQUALS, val
+        return x, Answers(torch.tensor([length - 1]), y)
+
+    def _eval_meta(self, length, seed, row):
+        return self.draw(1, length, _seeded(seed, length, row, -1))         # (x, answers) of the row
+
+    def _eval_piece(self, meta, length, seed, row, i, t0):
+        return meta[0][0, t0:t0 + EVAL_BLOCK]
+
+    def _answers(self, metas, length):
+        return Answers(torch.tensor([length - 1]), torch.cat([ans.target for _, ans in metas]))
+
+    def chance(self) -> float:
+        return 1 / self.modulus
+
+    def summary(self, length: int) -> dict:
+        return {**super().summary(length), "modulus": self.modulus}
+
+
 @dataclass(frozen=True)
 class MQARGrid:
     """A grid of MQAR runs (the Mamba-2 paper's figure 8: 2 layers; trained length T with T/4
@@ -409,6 +558,10 @@ def make_task(cfg) -> Task:
         return Parity(cfg.running)
     if cfg.name == "modsum":
         return ModularSum(cfg.modulus, cfg.running)
+    if cfg.name == "arith":
+        return ModularArithmetic(cfg.modulus, cfg.running)
+    if cfg.name == "arith_brackets":
+        return ModularArithmeticBrackets(cfg.modulus)
     raise ValueError(f"no task {cfg.name!r}")
 
 

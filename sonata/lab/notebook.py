@@ -24,6 +24,7 @@ from sonata.lab.generate import load_text_model, stream_text
 from sonata.lab.race import STUDY07
 from sonata.lab.recall import RECALL_MODELS, TRACK_MODELS, TRACK_TASKS
 from sonata.lab.ssd import RACE09
+from sonata.lab.table5b import MODELS as TABLE5B_MODELS, TASKS as TABLE5B_TASKS
 from sonata.train.trainer import Trainer
 
 
@@ -222,6 +223,14 @@ RANGES = {
         "track_d_state": Range(4, 128), "track_layers": Range(1, 4), "track_steps": Range(1, 1_000_000), "track_cap_s": Range(1, 7200, float),
         "spread_models": ListOf(OneOf(*TRACK_MODELS), 0, len(TRACK_MODELS)), "spread_seeds": ListOf(SEED, 0, 8),
         "n_test": Range(1, 4096), "seed": SEED, "out_dir": Text(),
+    },
+    "11_state_tracking_table": {
+        "tasks": ListOf(OneOf(*TABLE5B_TASKS), 1, len(TABLE5B_TASKS)),
+        "models": ListOf(OneOf(*TABLE5B_MODELS), 1, len(TABLE5B_MODELS)), "steps": Range(1, 1_000_000),
+        "cap_s": Range(1, 7200, float), "length": Range(2, 1024), "test_lengths": ListOf(Range(2, 16384), 1, 8),
+        "d_model": OneOf(16, 32, 64, 128), "d_state": OneOf(8, 16, 32, 64, 128), "n_test": Range(1, 4096),
+        "seed": SEED, "spread_tasks": ListOf(OneOf(*TABLE5B_TASKS), 0, len(TABLE5B_TASKS)),
+        "spread_seeds": ListOf(SEED, 0, 8), "out_dir": Text(),
     },
 }
 

@@ -125,6 +125,9 @@ def check_model(m: ModelConfig) -> list[str]:
     for kind in m.layer_counts:                             # each family once, in layer order
         errors += [e + (f": the {kind} layers of model.layers={m.layers}" if m.layers else "")
                    for e in FAMILIES[kind].check(m)]
+    if m.allow_neg_eigval and "gdn" not in m.layer_counts:
+        errors.append(f"model.allow_neg_eigval=true is for gdn layers (their delta rule's beta in (0, 2)); "
+                      f"model.arch={m.arch} has none")
     return errors + _a_constraint(m, m.layer_counts)
 
 

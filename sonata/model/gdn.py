@@ -5,7 +5,8 @@ Networks", ICLR 2025), as transformers' Qwen3NextGatedDeltaNet computes it:
     q, k, v, z, b, a = in_proj(u)          widths hk dk, hk dk, d_inner, d_inner, h, h
     q, k, v  = silu(causal depthwise conv1d([q | k | v]))   one convolution, no bias
     q, k     = l2norm(q), l2norm(k)         per key head; the kernel scales q by dk^-0.5
-    beta     = sigmoid(b),  g = -exp(A_log) softplus(a + dt_bias)      per value head and token
+    beta     = sigmoid(b)  (2 sigmoid(b) with model.allow_neg_eigval),
+    g        = -exp(A_log) softplus(a + dt_bias)                       per value head and token
     S_t      = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,   o_t = S_t^T q_t
     out      = out_proj(norm(o) * weight * silu(z))   RMSNorm per head, before the gate
 
@@ -77,11 +78,14 @@ class GDNMixer(nn.Module):
         return proj.split([self.conv_dim, c.d_inner, c.nheads, c.nheads], dim=-1)    # qkv, z, b, a
 
     def _gates(self, b, a):
-        """beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), in float32 (float64 for a
-        float64 model): the log decay must not round to 0 or -inf in half precision."""
+        """beta = sigmoid(b) (twice that with model.allow_neg_eigval: the transition I - beta k k^T
+        then has the eigenvalue 1 - beta in (-1, 1)), g = -exp(A_log) softplus(a + dt_bias), in
+        float32 (float64 for a float64 model): the log decay must not round to 0 or -inf in half
+        precision."""
         ct = compute_dtype(a.dtype)
         g = -torch.exp(self.A_log.to(ct)) * F.softplus(a.to(ct) + self.dt_bias.to(ct))
-        return torch.sigmoid(b.to(ct)), g
+        beta = torch.sigmoid(b.to(ct))
+        return (2 * beta if self.cfg.allow_neg_eigval else beta), g
 
     def _heads(self, qkv):
         """The convolution's output (..., conv_dim) -> q, k (..., hk, dk) L2-normalised, v (..., h, dv)."""

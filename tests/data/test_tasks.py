@@ -522,7 +522,9 @@ NEW_TASKS = {"mqar": {"task.name": "mqar", "task.vocab_size": 64, "data.seq_len"
              "mqar-fixed": {"task.name": "mqar", "task.vocab_size": 32, "task.n_pairs": 4, "data.seq_len": 40},
              "parity": {"task.name": "parity", "data.seq_len": 16},
              "parity-running": {"task.name": "parity", "task.running": "true", "data.seq_len": 16},
-             "modsum": {"task.name": "modsum", "task.modulus": 3, "data.seq_len": 16}}
+             "modsum": {"task.name": "modsum", "task.modulus": 3, "data.seq_len": 16},
+             "arith-running": {"task.name": "arith", "task.running": "true", "data.seq_len": 15},
+             "arith_brackets": {"task.name": "arith_brackets", "data.seq_len": 24}}
 
 
 @pytest.mark.parametrize("name", list(NEW_TASKS))
@@ -580,7 +582,11 @@ def test_cli_trains_and_scores_the_new_tasks(tmp_path, name, lengths):
     ({"task.name": "mqar", "task.vocab_size": 64, "task.curriculum": "32:5,256"}, "at length 256 has 64"),
     ({"task.name": "mqar", "task.n_pairs": 8, "data.seq_len": 31}, "at least 32"),
     ({"task.name": "modsum", "task.modulus": 1}, "task.modulus must be in 2..65536"),
-    ({"task.name": "mqar", "task.running": "true"}, "task.running=true is for task.name=parity or modsum"),
+    ({"task.name": "mqar", "task.running": "true"}, "task.running=true is for task.name=parity, modsum or arith"),
+    ({"task.name": "arith_brackets", "task.running": "true"}, "not arith_brackets"),
+    ({"task.name": "arith", "task.modulus": 1}, "task.modulus must be in 2..65536"),
+    ({"task.name": "arith_brackets", "data.seq_len": 1}, "at least 2"),
+    ({"task.name": "arith_brackets", "task.curriculum": "8:5,16385"}, "at most 16384 positions, not 16385"),
     ({"task.name": "parity", "task.running": "maybe"}, "task.running"),
 ])
 def test_bad_task_settings_are_a_config_error(overrides, words):

@@ -35,9 +35,9 @@ def model(seed=0, dtype=torch.float32, **kw) -> MambaLM:
 
 
 @pytest.mark.parametrize("L", [1, 7, 8, 19])
-@pytest.mark.parametrize("ngroups", [1, 2])
-def test_the_parallel_forward_equals_the_token_by_token_step_chain(L, ngroups):
-    m = model(dtype=torch.float64, ngroups=ngroups)
+@pytest.mark.parametrize("ngroups,neg", [(1, False), (2, False), (2, True)])
+def test_the_parallel_forward_equals_the_token_by_token_step_chain(L, ngroups, neg):
+    m = model(dtype=torch.float64, ngroups=ngroups, allow_neg_eigval=neg)
     ids = torch.randint(0, 40, (2, L), generator=torch.Generator().manual_seed(L))
     want = m(ids)
     states = [layer.mixer.empty_state(2, ids.device, torch.float64) for layer in m.layers]
@@ -61,11 +61,12 @@ def test_chunked_state_equals_one_pass(backend):
     assert conv.shape == (2, 2 * 8 + 64, 4) and S.shape == (2, 4, 8, 16) and S.dtype == torch.float32
 
 
-def test_the_cpu_backend_equals_the_reference_values_and_gradients():
+@pytest.mark.parametrize("neg", [False, True])
+def test_the_cpu_backend_equals_the_reference_values_and_gradients(neg):
     ids = torch.randint(0, 40, (3, 21), generator=torch.Generator().manual_seed(5))
     out = {}
     for backend in ("reference", "cpu"):
-        m = model(backend=backend, ngroups=2)
+        m = model(backend=backend, ngroups=2, allow_neg_eigval=neg)
         loss = F.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
         out[backend] = (loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()})
@@ -76,12 +77,14 @@ def test_the_cpu_backend_equals_the_reference_values_and_gradients():
             assert g.abs().sum() > 0, f"{name} gets no gradient"
 
 
-def test_the_layer_is_qwen3_nexts_equations():
+@pytest.mark.parametrize("neg", [False, True])
+def test_the_layer_is_qwen3_nexts_equations(neg):
     """The mixer written out with transformers' own torch functions for Qwen3-Next's layer
-    (its recurrent delta rule, its gated RMSNorm): the same numbers."""
+    (its recurrent delta rule, its gated RMSNorm): the same numbers; with allow_neg_eigval,
+    the same with beta = 2 sigmoid(b) (fla's rule)."""
     qn = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
     torch.manual_seed(0)
-    cfg = small(ngroups=2)
+    cfg = small(ngroups=2, allow_neg_eigval=neg)
     mix = GDNMixer(cfg)
     with torch.no_grad():
         mix.norm.weight.add_(torch.randn(16) * 0.3)
@@ -90,7 +93,7 @@ def test_the_layer_is_qwen3_nexts_equations():
     qkv, z, b, a = mix.in_proj(u).split([2 * hk * dk + h * dv, h * dv, h, h], -1)
     qkv = F.silu(mix.conv1d(qkv.transpose(1, 2))[..., :11]).transpose(1, 2)
     q, k, v = qkv.split([hk * dk, hk * dk, h * dv], -1)
-    beta = b.sigmoid()
+    beta = b.sigmoid() * (2 if neg else 1)
     g = -mix.A_log.float().exp() * F.softplus(a.float() + mix.dt_bias)
     rule = getattr(qn.torch_recurrent_gated_delta_rule, "__wrapped__", qn.torch_recurrent_gated_delta_rule)
     o, _ = rule(q.reshape(2, 11, hk, dk), k.reshape(2, 11, hk, dk), v.reshape(2, 11, h, dv), g=g, beta=beta,
@@ -199,3 +202,18 @@ def test_the_parameter_count_without_building_equals_the_built_models():
     assert count_params(cfg) == sum(p.numel() for p in m.parameters())
     mix = m.layers[0].mixer                     # in_proj: q, k (2 x 2 x 16), v, z (2 x 64), b, a (2 x 4)
     assert mix.in_proj.weight.shape == (2 * 32 + 2 * 64 + 2 * 4, 32) and mix.norm.weight.shape == (16,)
+
+
+def test_negative_eigenvalues_are_gdns_alone_and_let_one_layer_flip_a_sign():
+    """allow_neg_eigval without a gdn layer is one error line; with it, beta = 2 sigmoid(b), so a
+    key written at beta near 2 turns its own state component's sign (I - 2 k k^T is a
+    reflection along k), which beta in (0, 1) cannot."""
+    with pytest.raises(ConfigError, match="model.allow_neg_eigval=true is for gdn layers"):
+        families.validate(make_config({"model.arch": "mamba2", "model.allow_neg_eigval": True}))
+    families.validate(make_config({"model.layers": "mamba2,gdn", "model.allow_neg_eigval": True,
+                                   "model.headdim": 16}))
+    mix = GDNMixer(small(allow_neg_eigval=True))
+    b = torch.full((1, 1, mix.cfg.nheads), 30.0)
+    beta, _ = mix._gates(b, torch.zeros_like(b))
+    assert torch.allclose(beta, torch.full_like(beta, 2.0))
+    assert torch.allclose(GDNMixer(small())._gates(b, torch.zeros_like(b))[0], torch.ones_like(beta))
