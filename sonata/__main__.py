@@ -337,7 +337,8 @@ def cmd_generate(args) -> int:
         raise SonataError(f"--top-k must be >= 0 (0: the whole vocabulary), not {args.top_k}")
     model, vocab, cfg = load_text_model(args.checkpoint)
     if not families.recurrent(cfg.model):
-        raise SonataError(f"generation needs a recurrent model (every layer mamba, mamba2 or mamba3); this one is "
+        steppers = ", ".join(k for k, f in families.FAMILIES.items() if f.steps)
+        raise SonataError(f"generation needs every layer to step one token at a time ({steppers}); this model is "
                           f"model.arch={cfg.model.arch} ({','.join(cfg.model.kinds)})")
     for i in range(args.n):             # streamed: each piece printed as soon as it is sampled
         print(f"--- sample {i + 1}\n{args.prompt}", end="", flush=True)

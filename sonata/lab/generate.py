@@ -2,7 +2,9 @@
 
 `load_model` reads a sonata checkpoint or a transformers Mamba folder (sonata.interop.hf);
 `generate_text` samples whole continuations in a batch, `stream_text` yields one
-continuation piece by piece as it is sampled. Both consume the prompt in one
+continuation piece by piece as it is sampled; `PromptCache` keeps the decoding state after
+prompts, so a prompt that begins with one already run (a chat's earlier turns) runs only its
+new tokens. Both consume the prompt in one
 parallel pass and decode with `sonata.model.decode.Decoder` (preallocated buffers).
 A temperature so small that logits / temperature overflows float32 (1e-45, say) is greedy:
 there the top token is certain (`sonata.model.decode.sample_next`).
@@ -73,17 +75,23 @@ def _context(vocab: Vocab, prompt: str) -> list[int]:
 
 @torch.inference_mode()
 def stream_text(model: MambaLM, vocab: Vocab, prompt: str = "Once upon a time", max_new_tokens: int = 200,
-                temperature: float = 0.8, top_k: int = 40, seed: int = 0):
+                temperature: float = 0.8, top_k: int = 40, seed: int = 0, cache: "PromptCache | None" = None):
     """Yield the continuation of `prompt` piece by piece as tokens are sampled (one
-    sequence); each piece is complete UTF-8 text; stops at <|endoftext|>."""
+    sequence); each piece is complete UTF-8 text; stops at <|endoftext|>. With `cache` (a
+    PromptCache of `model` at batch 1) the prompt's cached beginning is not run again."""
     dev = next(model.parameters()).device
     g = torch.Generator(device=dev)
     g.manual_seed(seed)
     ids = _context(vocab, prompt)
     if max_new_tokens <= 0:
         return
-    dec = Decoder(model, 1)
-    logits = dec.prefill(torch.tensor([ids], dtype=torch.long, device=dev))
+    if cache is not None:
+        if cache.model is not model or cache.batch != 1:
+            raise ValueError("stream_text's cache must be a PromptCache of the same model at batch 1")
+        dec, logits = cache.start(ids)
+    else:
+        dec = Decoder(model, 1)
+        logits = dec.prefill(torch.tensor([ids], dtype=torch.long, device=dev))
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     nxt = torch.empty(1, dtype=torch.long, device=dev)
     for i in range(max_new_tokens):
@@ -99,6 +107,56 @@ def stream_text(model: MambaLM, vocab: Vocab, prompt: str = "Once upon a time", 
     tail = decoder.decode(b"", final=True)
     if tail:
         yield tail
+
+
+class PromptCache:
+    """Decoding states after prompts, so that a prompt which begins with one already run (a
+    shared system prompt, a chat's earlier turns) is not run again. `start(ids)` restores the
+    state after the longest cached prompt that `ids` begins with (`Decoder.restore`: the same
+    state, bit for bit), feeds only the tokens after it, caches the state after `ids` too, and
+    returns the decoder, ready to `step`, with the logits after `ids`. A prompt with nothing
+    cached runs as one parallel prefill. Every layer's state is kept: the conv windows and SSM
+    states, and the keys and values of attention layers in hybrids (which llama.cpp runs again
+    on every turn of a hybrid). Past `max_entries` the least recently used state goes."""
+
+    def __init__(self, model: MambaLM, batch: int = 1, max_entries: int = 16):
+        if max_entries < 1:
+            raise ValueError(f"a prompt cache holds at least 1 entry, not {max_entries}")
+        self.model, self.batch, self.max_entries = model, batch, max_entries
+        self.entries: dict[tuple, object] = {}           # prompt ids -> DecodeState, oldest use first
+        self.reused = 0                                    # tokens the last `start` did not run again
+
+    def longest_prefix(self, ids) -> tuple:
+        """The longest cached prompt that `ids` begins with (() when none)."""
+        ids = tuple(ids)
+        return max((k for k in self.entries if ids[:len(k)] == k), key=len, default=())
+
+    @torch.inference_mode()
+    def start(self, ids):
+        """-> (decoder, logits (batch, vocab)) after the prompt `ids` (a list of ids, the same
+        for every sequence of the batch)."""
+        ids = tuple(int(i) for i in ids)
+        if not ids:
+            raise ValueError("a prompt needs at least one token")
+        dev = next(self.model.parameters()).device
+        dec = Decoder(self.model, self.batch)
+        key = self.longest_prefix(ids)
+        if key:
+            snap = self.entries.pop(key)
+            self.entries[key] = snap                       # most recently used last
+            logits = dec.restore(snap)
+            nxt = torch.empty(self.batch, dtype=torch.long, device=dev)
+            with dec.threads():
+                for tok in ids[len(key):]:
+                    logits = dec._step(nxt.fill_(tok))
+        else:
+            logits = dec.prefill(torch.tensor([ids] * self.batch, dtype=torch.long, device=dev))
+        self.reused = len(key)
+        if ids != key:
+            self.entries[ids] = dec.snapshot()
+            while len(self.entries) > self.max_entries:
+                self.entries.pop(next(iter(self.entries)))
+        return dec, logits
 
 
 def load_text_model(path, device="cpu") -> tuple[MambaLM, Vocab, Config]:

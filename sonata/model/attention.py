@@ -1,6 +1,8 @@
 """The attention block family: causal multi-head self-attention with rotary position embeddings
 (`torch.nn.functional.scaled_dot_product_attention`) and a GELU MLP, the same width as the
-Mamba blocks: the selection study's baseline. Its recurrent state is the keys and values so far.
+Mamba blocks: the selection study's baseline. Its recurrent state is the keys and values so far:
+`step` decodes one token against them (a KV cache that grows by one entry per token) after
+`prefill` has run the prompt, so hybrids and attention alone generate.
 """
 from __future__ import annotations
 
@@ -81,3 +83,19 @@ class AttentionBlock(nn.Module):
         y, state = self.attn(self.norm(h), state, return_state=True)
         h = h + y
         return h + self.mlp(self.norm2(h)), state
+
+    def empty_state(self, batch: int, device, dtype=torch.float32):
+        """No keys or values yet: (b, heads, 0, hd) each."""
+        a = self.attn
+        hd = a.qkv.in_features // a.heads
+        return (torch.zeros(batch, a.heads, 0, hd, device=device, dtype=dtype),) * 2
+
+    def step(self, h, state):                                           # h (b, d)
+        """One token: -> (b, d) and the keys and values with its own appended (the KV cache:
+        each step attends to every earlier token at its position)."""
+        y, state = self.forward(h[:, None], state, return_state=True)
+        return y[:, 0], state
+
+    def prefill(self, h):                                               # h (b, L, d)
+        """The prompt in one causal pass, and its keys and values for `step` to continue from."""
+        return self.forward(h, None, return_state=True)

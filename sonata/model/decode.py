@@ -13,6 +13,7 @@ It reads a `sonata.model.lm.MambaLM`'s parameters by name and imports nothing fr
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -114,6 +115,39 @@ class _Decoder:
             self.ssm_state[i].copy_(ssm)
         self.pos = 0                                                    # so the next write is slot 0
         self.logits.copy_(logits)
+        return self.logits
+
+    @torch.inference_mode()
+    def snapshot(self) -> "DecodeState":
+        """A copy of the decoding state as it stands (every layer's conv window and SSM state,
+        the KV cache of attention layers, the logits after the last token): `restore` puts it
+        back, here or in another decoder of the same model, as often as asked."""
+        if hasattr(self, "conv_state"):
+            return DecodeState("stacked", (self.conv_state.clone(), self.ssm_state.clone()), self.pos,
+                               self.logits.clone())
+        return DecodeState("layers", _clone(self.states), 0, self.logits.clone())
+
+    @torch.inference_mode()
+    def restore(self, snap: "DecodeState") -> torch.Tensor:
+        """Continue from `snap` (a `snapshot` of this model's decoder at this batch, or at batch
+        1: then every sequence of the batch continues from it) -> its logits (b, vocab). The
+        next `step` is what it would have been right after the snapshot, bit for bit."""
+        if snap.batch not in (1, self.batch):
+            raise ValueError(f"a snapshot of {snap.batch} sequences cannot continue {self.batch}")
+        if snap.kind != ("stacked" if hasattr(self, "conv_state") else "layers"):
+            raise ValueError("the snapshot is of another model's decoder")
+        try:
+            if snap.kind == "stacked":
+                conv, ssm = snap.states
+                self.conv_state.copy_(conv.expand_as(self.conv_state))   # in place: the fused step
+                self.ssm_state.copy_(ssm.expand_as(self.ssm_state))      # reads these very buffers
+                self.logits.copy_(snap.logits.expand_as(self.logits))
+                self.pos = snap.pos
+                return self.logits
+        except RuntimeError:                                             # shapes of another model
+            raise ValueError("the snapshot is of another model's decoder") from None
+        self.states = _clone(snap.states, self.batch if snap.batch != self.batch else None)
+        self.logits = snap.logits.expand(self.batch, -1).clone()
         return self.logits
 
     @contextlib.contextmanager
@@ -258,12 +292,49 @@ class StateDecoder(_Decoder):
 
     def prefill(self, prompt) -> torch.Tensor:
         with torch.inference_mode():
-            logits, self.states = self.model.prefill(prompt)
-        return logits
+            self.logits, states = self.model.prefill(prompt)
+            # contiguous from the first step on: a layer's fused step takes contiguous states (a
+            # prefill can hand back views), so every step runs the same kernel, and a state put
+            # back by `restore` (a contiguous copy) continues exactly as this one does
+            self.states = _map(states, torch.Tensor.contiguous)
+        return self.logits
 
     def _step(self, idx) -> torch.Tensor:
-        logits, self.states = self.model.step(idx, self.states)
-        return logits
+        self.logits, self.states = self.model.step(idx, self.states)
+        return self.logits
+
+
+@dataclass(frozen=True)
+class DecodeState:
+    """A decoder's state after some tokens (`_Decoder.snapshot`): `kind` "stacked" (Mamba-1's
+    decoders: `states` is (conv rings, SSM states), each stacked over the layers) or "layers"
+    (each layer's own state, attention's (k, v) included), `pos` (the conv rings' next slot),
+    `logits` (b, vocab) after the last token. Its tensors are copies: the decoder goes on
+    without changing them."""
+    kind: str
+    states: object
+    pos: int
+    logits: torch.Tensor
+
+    @property
+    def batch(self) -> int:
+        return self.logits.shape[0]
+
+
+def _map(x, fn):
+    """fn applied to every tensor of a nested state (tensors in tuples and lists)."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map(v, fn) for v in x)
+    return x
+
+
+def _clone(x, batch: int | None = None):
+    """A contiguous copy of a nested state; `batch`: each tensor's first dimension (1) repeated
+    to that many sequences."""
+    return _map(x, (lambda t: t.repeat(batch, *([1] * (t.dim() - 1)))) if batch else
+                (lambda t: t.clone(memory_format=torch.contiguous_format)))
 
 
 def Decoder(model: nn.Module, batch: int, fused: bool | None = None) -> _Decoder:    # noqa: N802
@@ -331,7 +402,7 @@ def generate_reference(model: nn.Module, prompt, max_new_tokens: int, temperatur
     state tensors every step. The oracle for `generate` and the decoders."""
     b = prompt.shape[0]
     dev = prompt.device
-    states = [layer.mixer.empty_state(b, dev) for layer in model.layers]
+    states = [getattr(layer, "mixer", layer).empty_state(b, dev) for layer in model.layers]
     logits = None
     for t in range(prompt.shape[1]):
         logits, states = model.step(prompt[:, t], states)

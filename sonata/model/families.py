@@ -70,7 +70,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gdn", gdn.GDNBlock, gdn.check, "Gated DeltaNet: the gated delta rule (Qwen3-Next's linear layer)",
            state_space=False),
     Family("attention", attention.AttentionBlock, attention.check, "causal attention with rotary positions and an MLP",
-           state_space=False, steps=False, bounded_state=False),
+           state_space=False, bounded_state=False),
 )}
 WHOLE_MODELS = ("gpt2",)                # an arch that is a whole model, not a stack of blocks
 ARCHS = (*FAMILIES, *WHOLE_MODELS, "hybrid")

@@ -200,8 +200,20 @@ def test_attention_is_causal_and_rotary_keeps_relative_positions():
     assert max(dots) - min(dots) < 1e-4      # the score depends only on the distance (5)
 
 
-@pytest.mark.parametrize("kind", ["lti", "attention"])
-def test_only_recurrent_models_generate(kind):
-    m = MambaLM(ModelConfig(arch=kind, vocab_size=16, d_model=16))
-    with pytest.raises(ValueError, match="needs a recurrent model .* mamba, mamba2, mamba3"):
+def test_only_models_whose_layers_step_generate():
+    m = MambaLM(ModelConfig(arch="lti", vocab_size=16, d_model=16))
+    with pytest.raises(ValueError, match="needs a recurrent model .* mamba, mamba2, mamba3, gdn, attention"):
         m.generate(torch.zeros(1, 2, dtype=torch.long), 3)
+
+
+def test_attention_generates_with_its_keys_and_values_as_the_state():
+    """Attention alone: the parallel prefill then one token at a time against the KV cache,
+    equal to the token-by-token oracle and to the parallel forward over the whole sequence."""
+    torch.manual_seed(0)
+    m = MambaLM(ModelConfig(arch="attention", vocab_size=40, d_model=32, n_layers=2)).eval()
+    prompt = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(1))
+    out = m.generate(prompt, 9, temperature=0)
+    assert torch.equal(out, m.generate_reference(prompt, 9, temperature=0))
+    with torch.no_grad():
+        whole = m(out[:, :-1])
+    assert torch.equal(whole[:, 6:].argmax(-1), out[:, 7:])
