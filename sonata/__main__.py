@@ -108,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     im.add_argument("folder", metavar="DIR")
     im.add_argument("--out", required=True, metavar="CHECKPOINT", help="the checkpoint file to write")
     im.add_argument("--force", action="store_true", help="replace CHECKPOINT if it exists")
+    sub.add_parser("doctor", help="which backend each kernel family runs on this machine, and why")
     return p
 
 
@@ -446,6 +447,14 @@ def cmd_import(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from sonata.kernels.doctor import report
+
+    for line in report():
+        print(line)
+    return 0
+
+
 def _dist():
     """sonata.train.distributed if this process imported it (a train run), else None."""
     return sys.modules.get("sonata.train.distributed")
@@ -512,7 +521,7 @@ def _run(argv=None) -> int:
         resolve_mode(getattr(args, "progress", None))   # a bad mode stops here, before any work or worker
     return {"train": cmd_train, "prepare": cmd_prepare, "autotune": cmd_autotune, "bench": cmd_bench,
             "generate": cmd_generate, "eval": cmd_eval, "export": cmd_export,
-            "import": cmd_import}[args.command](args)
+            "import": cmd_import, "doctor": cmd_doctor}[args.command](args)
 
 
 if __name__ == "__main__":
