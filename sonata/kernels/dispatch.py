@@ -163,6 +163,14 @@ def triton_module(x: torch.Tensor, load, label: str = "triton"):
     return mod, None
 
 
+def opaque(fn):
+    """`fn` (a call into numba kernels) as torch.compile must take it: run as it is, never
+    traced (dynamo cannot trace numba's dispatchers and stops with an error inside them), so a
+    compiled model breaks its graph there and runs the fused kernel eagerly. Eager calls pay
+    about half a microsecond. Every family wraps its fused CPU entry points in it."""
+    return torch.compiler.disable(fn)
+
+
 # --------------------------------------------------------------------------- the resolver
 
 @dataclass(frozen=True)
@@ -225,5 +233,5 @@ def resolve(family: Family, backend: str, x: torch.Tensor) -> tuple[str, str | N
 
 
 __all__ = ["BACKENDS", "FUSED_DTYPES", "Family", "GPU_VERIFIED", "TRITON_KERNELS", "compute_dtype", "fallback_count",
-           "load_backend", "on_cuda", "record_fallback", "reset_fallback_count", "resolve", "triton_chosen",
+           "load_backend", "on_cuda", "opaque", "record_fallback", "reset_fallback_count", "resolve", "triton_chosen",
            "triton_interpreter_on", "triton_module", "use_triton_interpreter_without_gpu"]

@@ -32,7 +32,7 @@ from numba import njit, prange
 
 from sonata.kernels.cpu_arrays import np_view
 from sonata.kernels.cpu_simd import VEC_FLAGS, for_workers, parallel_kernel, workers
-from sonata.kernels.dispatch import compute_dtype
+from sonata.kernels.dispatch import compute_dtype, opaque
 from sonata.kernels.gdn.reference import default_scale
 
 POISON = False      # tests: fill the outputs with NaN first, so an unwritten element cannot pass
@@ -246,6 +246,7 @@ class GDNFunction(torch.autograd.Function):
                 None, None)
 
 
+@opaque
 def gdn_cpu(q, k, v, g, beta, scale=None, initial_state=None, return_final_state=False, chunk_size=64):
     """`gdn_chunked_ref`'s arguments and results, on the fused kernels."""
     scale = default_scale(q) if scale is None else float(scale)
@@ -253,6 +254,7 @@ def gdn_cpu(q, k, v, g, beta, scale=None, initial_state=None, return_final_state
     return (o, S) if return_final_state else o
 
 
+@opaque
 def gdn_step_cpu(state, q, k, v, g, beta, scale=None):
     """`gdn_step_ref` on the fused step kernel: state a C-contiguous float32 / float64 CPU tensor,
     updated in place; o (b, h, dv) in v's dtype."""

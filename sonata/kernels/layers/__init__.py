@@ -35,11 +35,19 @@ def fused_cpu(backend, x):
     return None
 
 
+# the fused calls, opaque to torch.compile (dispatch.opaque: numba cannot be traced)
+_rms_norm_fused = dispatch.opaque(RMSNormFn.apply)
+_conv_silu_fused = dispatch.opaque(ConvSiluFn.apply)
+_causal_conv_silu_fused = dispatch.opaque(CausalConvSiluFn.apply)
+_rms_norm_gated_fused = dispatch.opaque(RMSNormGatedFn.apply)
+_cross_entropy_fused = dispatch.opaque(CrossEntropyFn.apply)
+
+
 def rms_norm(x, weight, eps, backend="auto"):
     """x * rsqrt(mean(x^2, -1) + eps) * weight for x (..., d), weight (d,)."""
     impl = fused_cpu(backend, x)
     if impl is not None:
-        return RMSNormFn.apply(impl, x, weight, eps)
+        return _rms_norm_fused(impl, x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
 
@@ -52,7 +60,7 @@ def conv_silu(xz, weight, bias, backend="auto"):
     the whole projection's gradient at once; PyTorch ops for the others (z a view of xz)."""
     impl = fused_cpu(backend, xz)
     if impl is not None:
-        u, z = ConvSiluFn.apply(impl, xz, weight, bias)
+        u, z = _conv_silu_fused(impl, xz, weight, bias)
         return u.transpose(1, 2), z.transpose(1, 2)
     dim = weight.shape[0]
     return conv_silu_ref(xz[..., :dim], weight, bias), xz[..., dim:]
@@ -67,7 +75,7 @@ def causal_conv_silu(x, weight, bias, backend="auto", out_dtype=None):
     input skips one rounding and the next kernel's conversion."""
     impl = fused_cpu(backend, x)
     if impl is not None:
-        return CausalConvSiluFn.apply(impl, x, weight, bias, out_dtype)
+        return _causal_conv_silu_fused(impl, x, weight, bias, out_dtype)
     out = conv_silu_ref(x, weight, bias)
     return out if out_dtype is None else out.to(out_dtype)
 
@@ -83,7 +91,7 @@ def rms_norm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gat
         raise ValueError(f"rms_norm_gated: group_size {g} must divide the {d} channels")
     impl = fused_cpu(backend, x)
     if impl is not None:
-        return RMSNormGatedFn.apply(impl, x, weight, z, eps, g, norm_before_gate)
+        return _rms_norm_gated_fused(impl, x, weight, z, eps, g, norm_before_gate)
     return rms_norm_gated_ref(x, weight, z, eps, g, norm_before_gate)
 
 
@@ -93,7 +101,7 @@ def cross_entropy(logits, target, backend="auto"):
     logits, target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
     impl = fused_cpu(backend, logits)
     if impl is not None:
-        return CrossEntropyFn.apply(impl, logits, target)
+        return _cross_entropy_fused(impl, logits, target)
     return cross_entropy_ref(logits, target)
 
 

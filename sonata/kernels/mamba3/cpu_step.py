@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from sonata.kernels.dispatch import opaque
+
 try:
     import numpy as np
     from numba import njit
@@ -130,6 +132,7 @@ def can_fuse(state, proj) -> bool:
             and kp.dtype == S.dtype and xp.dtype == S.dtype and not (torch.is_grad_enabled() and proj.requires_grad))
 
 
+@opaque
 def mamba3_step_cpu(proj, sizes, mixer_params, dims, consts, state):
     """One token: proj (b, W) in_proj's output; sizes the split of W (z x B C dt A trap angles);
     mixer_params (dt_bias, B_norm w, C_norm w, B_bias, C_bias, D, mimo_x, mimo_z, mimo_o, norm w

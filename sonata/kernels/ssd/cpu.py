@@ -70,6 +70,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from sonata.kernels.dispatch import opaque
 from sonata.kernels.ssd import cpu_fused
 from sonata.kernels.ssd.cpu_fused import prepare_dt, prepare_dt_backward
 from sonata.kernels.ssd.reference import boundaries
@@ -447,6 +448,7 @@ def prefer_recurrent(x, B) -> bool:
     return cpu_recurrent.available() and B.shape[3] <= RECURRENT_MAX_N
 
 
+@opaque
 def ssd_cpu(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=None, initial_states=None,
             seq_idx=None, dt_softplus=False, dt_limit=(0.0, math.inf), return_final_states=False,
             block=None, mm_dtype=None, form=None):

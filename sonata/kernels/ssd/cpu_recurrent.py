@@ -76,6 +76,7 @@ except ImportError:         # no numba: the chunked form runs (prefer_recurrent 
     prange = range
     parallel_kernel = None
 
+from sonata.kernels.dispatch import opaque
 from sonata.kernels.ssd.cpu_fused import prepare_dt, prepare_dt_backward
 
 # Each kernel is a `cpu_simd.parallel_kernel`: at one worker its serial twin runs, which never
@@ -453,6 +454,7 @@ class SSDPackedFunction(torch.autograd.Function):
                 _like(ddt_bias, dt_bias), None, None, dz, dw, None)
 
 
+@opaque
 def ssd_cpu_recurrent(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=None, initial_states=None,
                       seq_idx=None, dt_softplus=False, dt_limit=(0.0, math.inf), return_final_states=False):
     """The fused recurrence (module docstring); ssd_cpu's arguments (chunk_size is ignored)."""
@@ -462,6 +464,7 @@ def ssd_cpu_recurrent(x, dt, A, B, C, chunk_size=64, D=None, z=None, dt_bias=Non
     return (out, final) if return_final_states else out
 
 
+@opaque
 def ssd_cpu_recurrent_packed(xBC, dt, A, dims, D=None, dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf),
                              norm=None):
     """The fused recurrence over the packed xBC (b, L, h p + 2 g n), dims = (h, p, g, n)

@@ -22,6 +22,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from sonata.kernels.dispatch import opaque
+
 POISON = False      # tests: fill the preallocated output with NaN first
 
 
@@ -127,6 +129,7 @@ def _f32(t):
     return t.numpy()
 
 
+@opaque
 def ssd_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
              dt_limit=(0.0, math.inf)):
     """The step (module docstring); `state` is updated in place, y (b, h, p) returned."""
