@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from sonata.model import families
 from sonata.model.mamba import MambaBlock
-from sonata.model.quant import fake_quant_int8
+from sonata.model.quant import fake_quant_int8, quantize_int8
 
 
 def sample_next(logits, temperature: float = 1.0, top_k: int = 0, generator=None, out=None):
@@ -182,7 +182,7 @@ class FusedDecoder(_Decoder):
 
     fused = True
 
-    def __init__(self, model: nn.Module, batch: int):
+    def __init__(self, model: nn.Module, batch: int, weights: str = "fp32"):
         super().__init__(model, batch)
         from sonata.kernels.selective import decode_cpu                # ImportError without numba
 
@@ -193,21 +193,28 @@ class FusedDecoder(_Decoder):
         mix = [layer.mixer for layer in model.layers]
         with torch.no_grad():
             norms = [layer.norm for layer in model.layers] + [model.norm_f]
+            # the five projections (L, n_in, n_out) in `weights`' storage, with their scales
+            proj = [[m.in_proj.weight for m in mix], [m.x_proj.weight for m in mix],
+                    [m.dt_proj.weight for m in mix], [m.out_proj.weight for m in mix], [model.lm_head.weight]]
+            stored = [packed_weights(ws, weights) for ws in proj]
+            (in_wt, in_s), (x_wt, x_s), (dt_wt, dt_s), (out_wt, out_s), (head_t, head_s) = stored
             self._weights = (
                 np.ascontiguousarray(p.detach().numpy()),                           # emb (vocab, d)
                 arr([m.weight for m in norms]),                                     # (L + 1, d)
                 np.array([m.eps for m in norms], dtype=np.float32),
-                arr([m.in_proj.weight.t() for m in mix]),                           # (L, d, 2 di)
+                in_wt,                                                              # (L, d, 2 di)
                 arr([m.conv1d.weight[:, 0, :].t() for m in mix]),                   # (L, k, di)
                 arr([m.conv1d.bias for m in mix]),                                  # (L, di)
-                arr([m.x_proj.weight.t() for m in mix]),                            # (L, di, r + 2n)
-                arr([m.dt_proj.weight.t() for m in mix]),                           # (L, r, di)
+                x_wt,                                                               # (L, di, r + 2n)
+                dt_wt,                                                              # (L, r, di)
                 arr([m.dt_proj.bias for m in mix]),                                 # (L, di)
                 arr([m.A for m in mix]),                                            # (L, di, n)
                 arr([m.D for m in mix]),                                            # (L, di)
-                arr([m.out_proj.weight.t() for m in mix]),                          # (L, di, d)
-                np.ascontiguousarray(model.lm_head.weight.detach().numpy().T),      # head (d, vocab)
+                out_wt,                                                             # (L, di, d)
+                head_t[0],                                                          # head (d, vocab)
+                WEIGHT_KINDS[weights], in_s, x_s, dt_s, out_s, head_s[0],
             )
+        self.weights = weights
         self._kernel = decode_cpu.step
         self._tail = (self.conv_state.numpy(), self.ssm_state.numpy(), self.logits.numpy())
 
@@ -216,6 +223,47 @@ class FusedDecoder(_Decoder):
         self.pos = (slot + 1) % self.k
         self._kernel(idx.numpy(), slot, *self._weights, *self._tail)
         return self.logits
+
+
+# a decoder's weight storage -> decode_cpu's `wkind` (FP32, INT8, BF16)
+WEIGHT_KINDS = {"fp32": 0, "int8": 1, "bf16": 2}
+
+
+def packed_weights(ws, weights: str):
+    """Linear weights ws (each (n_out, n_in)) -> (stacked transposed storage (len, n_in,
+    n_out), stacked scales (len, n_out)) for the fused step: float32 (scales all 1, unread),
+    int8 (`quantize_int8`: one scale per output), or bfloat16 bit patterns as uint16."""
+    if weights == "int8":
+        qs = [quantize_int8(w) for w in ws]
+        return (np.ascontiguousarray(np.stack([q.t().numpy() for q, _ in qs])),
+                np.ascontiguousarray(np.stack([sc.numpy() for _, sc in qs])))
+    ones = np.ones((len(ws), ws[0].shape[0]), np.float32)
+    if weights == "bf16":
+        return np.ascontiguousarray(np.stack([w.detach().t().to(torch.bfloat16).view(torch.int16).numpy()
+                                              .view(np.uint16) for w in ws])), ones
+    return np.ascontiguousarray(np.stack([w.detach().t().numpy() for w in ws])), ones
+
+
+def dequantized_copy(model: nn.Module, weights: str) -> nn.Module:
+    """A copy of a Mamba-1 `model` whose five decode projections (in, x, dt, out, head) hold
+    what `weights` storage rounds them to, in float32: the oracle the fused int8 / bf16 step
+    is held to (its float32 step on these weights)."""
+    import copy
+
+    twin = copy.deepcopy(model)
+    if twin.lm_head.weight is twin.embedding.weight:    # tied: the head is rounded, the lookup is not
+        twin.lm_head.weight = nn.Parameter(twin.embedding.weight.detach().clone())
+    with torch.no_grad():
+        mods = [m for layer in twin.layers for m in (layer.mixer.in_proj, layer.mixer.x_proj,
+                                                     layer.mixer.dt_proj, layer.mixer.out_proj)]
+        for m in mods + [twin.lm_head]:
+            w = m.weight
+            if weights == "int8":
+                q, sc = quantize_int8(w)
+                w.copy_(q.float() * sc[:, None])
+            elif weights == "bf16":
+                w.copy_(w.to(torch.bfloat16).float())
+    return twin
 
 
 class TorchDecoder(_Decoder):
@@ -337,11 +385,22 @@ def _clone(x, batch: int | None = None):
                 (lambda t: t.clone(memory_format=torch.contiguous_format)))
 
 
-def Decoder(model: nn.Module, batch: int, fused: bool | None = None) -> _Decoder:    # noqa: N802
+def Decoder(model: nn.Module, batch: int, fused: bool | None = None, weights: str = "fp32") -> _Decoder:  # noqa: N802
     """The decoder for `model` at `batch` sequences, its engine picked here: fused=None, the
     fused step whenever it can run (a float32 model on the CPU, no int8, numba installed);
-    True, required (a ValueError where it cannot); False, the torch step."""
+    True, required (a ValueError where it cannot); False, the torch step. `weights`: how the
+    fused Mamba-1 step stores the projections and the head, "fp32", or weight-only "int8"
+    (sonata's per-output int8, dequantized in the loop) or "bf16" (a quarter / half the bytes
+    read per token; the state and every other sum stay float32)."""
     p = model.embedding.weight
+    if weights not in WEIGHT_KINDS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_KINDS)}, not {weights!r}")
+    if weights != "fp32":
+        if not families.fused_decode(model.cfg) or p.device.type != "cpu" or p.dtype != torch.float32 \
+                or fused is False:
+            raise ValueError(f"weights={weights} is the fused Mamba-1 step's (a float32 Mamba-1 model on the "
+                             f"CPU); this model steps its layers in {p.dtype} on {p.device.type}")
+        return FusedDecoder(model, batch, weights)
     if not families.fused_decode(model.cfg):
         if fused:
             raise ValueError("the fused decode step is Mamba-1's; a model with mamba2 layers steps its layers")
@@ -361,14 +420,16 @@ def Decoder(model: nn.Module, batch: int, fused: bool | None = None) -> _Decoder
 
 @torch.inference_mode()
 def generate(model: nn.Module, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-             generator: torch.Generator | None = None, stop_token=None, pad: int | None = None) -> torch.Tensor:
+             generator: torch.Generator | None = None, stop_token=None, pad: int | None = None,
+             weights: str = "fp32") -> torch.Tensor:
     """Sampling (greedy at temperature <= 0): prompt (b, T) int64 -> (b, T + new) ids; stops
     early once every row has produced a stop token (`stop_token`: an id or a list of ids).
     With `pad`, a row that has stopped gets `pad` in its later columns (transformers' rule
     for eos and pad_token_id); without, it keeps sampling until every row has stopped. The
     prompt is consumed in one parallel pass, then a `Decoder` steps with preallocated
-    buffers (`generate_reference` is the token-by-token original it is tested against)."""
-    dec = Decoder(model, prompt.shape[0])
+    buffers (`generate_reference` is the token-by-token original it is tested against).
+    `weights`: the decoder's weight storage (`Decoder`)."""
+    dec = Decoder(model, prompt.shape[0], weights=weights)
     b, T = prompt.shape
     out = torch.empty(b, T + max_new_tokens, dtype=torch.long, device=prompt.device)
     out[:, :T] = prompt

@@ -128,11 +128,13 @@ class MambaLM(nn.Module):
         return self.lm_head(self.norm_f(h[:, -1])), states
 
     def generate(self, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-                 generator: torch.Generator | None = None, stop_token: int | None = None):
+                 generator: torch.Generator | None = None, stop_token: int | None = None, weights: str = "fp32"):
         """Sampling (greedy at temperature <= 0): prompt (b, T) -> (b, T + new) ids
-        (`sonata.model.decode.generate`: a parallel prefill, then the decoder)."""
+        (`sonata.model.decode.generate`: a parallel prefill, then the decoder; `weights`: the
+        fused Mamba-1 step's weight storage, fp32, int8 or bf16)."""
         self._need_mamba("generation")
-        return decode.generate(self, prompt, max_new_tokens, temperature, top_k, generator, stop_token)
+        return decode.generate(self, prompt, max_new_tokens, temperature, top_k, generator, stop_token,
+                               weights=weights)
 
     def generate_reference(self, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
                            generator: torch.Generator | None = None, stop_token: int | None = None):

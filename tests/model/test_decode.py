@@ -143,3 +143,42 @@ def test_an_untied_head_decodes_like_the_parallel_forward():
         assert (dec.prefill(idx[:, :5]) - full[:, 4]).abs().max().item() < 1e-5
         for t in range(5, 30):
             assert (dec.step(idx[:, t]) - full[:, t]).abs().max().item() < 1e-5, (fused, t)
+
+
+@pytest.mark.parametrize("weights", ["int8", "bf16"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_weight_only_int8_and_bf16_decode_equal_float32_decode_of_the_rounded_weights(weights, batch):
+    """The fused step reading int8 (per-output scales) or bfloat16 projections and head is the
+    float32 fused step on those weights dequantized (decode.dequantized_copy), step by step,
+    from the same state (the prompt's prefill is the model's own float32 forward)."""
+    from sonata.model.decode import dequantized_copy
+
+    m = _sonata(seed=21)
+    idx = _ids(batch, 40, seed=8)
+    low, oracle = Decoder(m, batch, weights=weights), Decoder(dequantized_copy(m, weights), batch)
+    assert low.fused and low.weights == weights and low._weights[3].dtype == {"int8": "int8", "bf16": "uint16"}[weights]
+    assert torch.equal(low.prefill(idx[:, :8]), Decoder(m, batch).prefill(idx[:, :8]))
+    oracle.restore(low.snapshot())
+    for t in range(8, 40):
+        a, b = low.step(idx[:, t]), oracle.step(idx[:, t])
+        assert (a - b).abs().max().item() < 1e-5, t
+    assert (low.ssm_state - oracle.ssm_state).abs().max().item() < 1e-5
+    full = Decoder(m, batch)                         # and it is not the float32 model itself
+    full.prefill(idx[:, :8])
+    assert (full.step(idx[:, 8]) - low.step(idx[:, 8])).abs().max().item() > 0
+
+
+def test_weight_only_decode_is_mamba1s_fused_step_and_refuses_the_rest():
+    m = _sonata(seed=22)
+    prompt = _ids(2, 5)
+    out = m.generate(prompt, 12, temperature=0, weights="int8")
+    assert out.shape == (2, 17) and torch.equal(out[:, :5], prompt)
+    with pytest.raises(ValueError, match="weights must be one of fp32, int8, bf16"):
+        Decoder(m, 1, weights="q4")
+    with pytest.raises(ValueError, match="weights=int8 is the fused Mamba-1 step's"):
+        Decoder(m.double(), 1, weights="int8")
+    from sonata.core.config import ModelConfig
+    from sonata.model import MambaLM
+    m2 = MambaLM(ModelConfig(arch="mamba2", d_model=32, n_layers=1, d_state=8, headdim=16, vocab_size=300))
+    with pytest.raises(ValueError, match="weights=bf16 is the fused Mamba-1 step's"):
+        m2.generate(prompt, 3, weights="bf16")

@@ -54,27 +54,63 @@ def _rms_norm_rows(h, w, eps, out):
             out[b, i] = h[b, i] * r * w[i]
 
 
+FP32, INT8, BF16 = 0, 1, 2     # how `step`'s projections are stored (its `wkind`)
+
+
 @njit(**VEC_FLAGS)
-def _matvec_rows(v, wt, out, accumulate):
-    """out[b] (+)= v[b] @ wt for every row b; wt (n_in, n_out) contiguous."""
+def _axpy_rows(v, i, row, dst):
+    """dst[b] += v[b, i] * row for every sequence b (row: one float32 weight row)."""
+    n_out = row.shape[0]
+    for b in range(v.shape[0]):
+        s = v[b, i]
+        ob = dst[b]
+        for o in range(n_out):
+            ob[o] += s * row[o]
+
+
+@njit(**VEC_FLAGS)
+def _matvec_rows(v, wt, scale, out, accumulate, wkind, acc, wrow):
+    """out[b] (+)= v[b] @ W for every row b, W (n_in, n_out) held as `wt` by `wkind`: FP32
+    (float32, W itself; `scale` unused), INT8 (int8, W = wt * scale[None, :]: one scale per
+    output, the rows of the untransposed weight, sonata's int8) or BF16 (uint16, W's bfloat16
+    bit patterns). INT8 and BF16 rows are widened to float32 one at a time in `wrow` (n_out
+    floats); INT8 sums in `acc` (b, >= n_out) before their scales."""
     nb = v.shape[0]
     n_in, n_out = wt.shape
-    if not accumulate:
+    dst = acc if wkind == INT8 else out
+    if not accumulate or wkind == INT8:
         for b in range(nb):
             for o in range(n_out):
-                out[b, o] = 0
+                dst[b, o] = 0
+    row = wrow[:n_out]
+    bits = row.view(np.uint32)
     for i in range(n_in):
-        row = wt[i]
-        for b in range(nb):
-            s = v[b, i]
-            ob = out[b]
+        if wkind == FP32:
+            _axpy_rows(v, i, wt[i], dst)
+            continue
+        src = wt[i]
+        if wkind == INT8 and nb == 1:          # one sequence: widen inside the one pass over the row
+            s, ob = v[0, i], dst[0]
             for o in range(n_out):
-                ob[o] += s * row[o]
+                ob[o] += s * np.float32(src[o])
+            continue
+        if wkind == BF16:                      # widened once per row, then used by every sequence
+            for o in range(n_out):
+                bits[o] = np.uint32(src[o]) << np.uint32(16)
+        else:
+            for o in range(n_out):
+                row[o] = np.float32(src[o])
+        _axpy_rows(v, i, row, dst)
+    if wkind == INT8:
+        for b in range(nb):
+            for o in range(n_out):
+                v_o = acc[b, o] * scale[o]
+                out[b, o] = out[b, o] + v_o if accumulate else v_o
 
 
 @njit(**VEC_FLAGS)
 def step(idx, slot, emb, norm_w, eps, in_wt, conv_w, conv_b, x_wt, dt_wt, dt_b, A, D, out_wt,
-         head_t, conv, ssm, logits):
+         head_t, wkind, in_s, x_s, dt_s, out_s, head_s, conv, ssm, logits):
     """One token for every sequence, in place.
 
     idx (b,) int64; slot: the ring-buffer slot this token's conv input goes to.
@@ -82,6 +118,10 @@ def step(idx, slot, emb, norm_w, eps, in_wt, conv_w, conv_b, x_wt, dt_wt, dt_b, 
     in_wt (L, d, 2 di); conv_w (L, k, di) (tap k-1 multiplies the newest input); conv_b (L, di)
     x_wt (L, di, r + 2n); dt_wt (L, r, di); dt_b (L, di); A (L, di, n); D (L, di)
     out_wt (L, di, d); head_t (d, vocab)
+    The five projections (in_wt, x_wt, dt_wt, out_wt, head_t) share one storage, `wkind`:
+    FP32, INT8 with the per-output scales in_s (L, 2 di), x_s (L, r + 2n), dt_s (L, di), out_s
+    (L, d), head_s (vocab,) (unused for the others: any float32 arrays of those ranks), or BF16
+    (bfloat16 bit patterns as uint16).
     conv (L, b, k, di) ring buffers; ssm (L, b, di, n) states: updated in place
     logits (b, vocab): written.
     """
@@ -100,12 +140,15 @@ def step(idx, slot, emb, norm_w, eps, in_wt, conv_w, conv_b, x_wt, dt_wt, dt_b, 
     dA, dtv = np.empty((di, n), f32), np.empty(di, f32)
     dA_flat = dA.ravel()
     Bv, Cv = np.empty(n, f32), np.empty(n, f32)
+    widest = max(two_di, rn, di, d, head_t.shape[1])
+    isum = np.empty((nb, widest), f32)           # the int8 sums before their scales
+    wrow = np.empty(widest, f32)                 # one weight row widened to float32
     for b in range(nb):
         for i in range(d):
             h[b, i] = emb[idx[b], i]
     for l in range(n_layers):
         _rms_norm_rows(h, norm_w[l], eps[l], hn)
-        _matvec_rows(hn, in_wt[l], xz, False)
+        _matvec_rows(hn, in_wt[l], in_s[l], xz, False, wkind, isum, wrow)
         cw, cb, cv = conv_w[l], conv_b[l], conv[l]
         for b in range(nb):
             for c in range(di):
@@ -119,11 +162,11 @@ def step(idx, slot, emb, norm_w, eps, in_wt, conv_w, conv_b, x_wt, dt_wt, dt_b, 
             for c in range(di):
                 v = xc[b, c]
                 xc[b, c] = v / (_ONE + fast_exp_f32(-v))          # silu
-        _matvec_rows(xc, x_wt[l], xdbl, False)
+        _matvec_rows(xc, x_wt[l], x_s[l], xdbl, False, wkind, isum, wrow)
         for b in range(nb):
             for j in range(r):
                 dt_in[b, j] = xdbl[b, j]
-        _matvec_rows(dt_in, dt_wt[l], dt, False)
+        _matvec_rows(dt_in, dt_wt[l], dt_s[l], dt, False, wkind, isum, wrow)
         Al, Dl, dbl = A[l], D[l], dt_b[l]
         for b in range(nb):
             hs = ssm[l, b]                                     # (di, n)
@@ -148,7 +191,7 @@ def step(idx, slot, emb, norm_w, eps, in_wt, conv_w, conv_b, x_wt, dt_wt, dt_b, 
                     acc += hj * Cv[j]
                 zc = xz[b, di + c]
                 y[b, c] = (acc + Dl[c] * u) * (zc / (_ONE + fast_exp_f32(-zc)))     # * silu(z)
-        _matvec_rows(y, out_wt[l], h, True)
+        _matvec_rows(y, out_wt[l], out_s[l], h, True, wkind, isum, wrow)
     _rms_norm_rows(h, norm_w[n_layers], eps[n_layers], hn)
-    _matvec_rows(hn, head_t, logits, False)
+    _matvec_rows(hn, head_t, head_s, logits, False, wkind, isum, wrow)
 
