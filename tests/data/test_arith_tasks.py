@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sonata.core.config import make_config
-from sonata.data.tasks import ModularArithmetic, ModularArithmeticBrackets, TaskSampler, make_task
+from sonata.data.tasks import ModularArithmetic, ModularArithmeticBrackets, make_task
 
 
 def _text(task, row) -> str:
@@ -83,18 +83,6 @@ def test_evaluation_sets_are_fixed_by_seed_and_length_and_scored_at_the_end(over
         assert int(ans.target[r, 0]) == eval(_text(task, x[r])) % task.modulus
     other, _ = task.eval_blocks(range(0, 6), 256, seed=8)
     assert not torch.equal(torch.cat(list(other), dim=1), x)
-
-
-def test_the_sampler_resumes_the_same_bracketed_sequences():
-    task = ModularArithmeticBrackets(5)
-    a = TaskSampler(task, 40, seed=3, curriculum="10:2,40")
-    a.draw(4)
-    state = a.state_dict()
-    want = a.draw(4)
-    b = TaskSampler(task, 40, seed=99, curriculum="10:2,40")
-    b.load_state_dict(state)
-    got = b.draw(4)
-    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
 
 
 def test_lengths_a_task_cannot_hold_are_refused():

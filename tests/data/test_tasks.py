@@ -16,8 +16,8 @@ from sonata.core.errors import CheckpointError
 from sonata.core.config import ModelConfig, make_config
 from sonata.model.lm import MambaLM
 from sonata.data.tasks import (EVAL_BLOCK, IGNORE, MQAR, MQAR_GRIDS, STATE_TRACKING, InductionHeads,
-                               ModularSum, Parity, SelectiveCopying, TaskSampler, accuracy_by_length,
-                               evaluate_task, make_task)
+                               ModularArithmeticBrackets, ModularSum, Parity, SelectiveCopying, TaskSampler,
+                               accuracy_by_length, evaluate_task, make_task)
 from sonata.train.trainer import Trainer
 from conftest import _assert_one_error_line, run_cli
 
@@ -623,8 +623,8 @@ def test_the_grids_and_lengths_are_valid_runs():
         make_config({"task.name": name, "data.seq_len": train})
 
 
-def test_a_new_tasks_sampler_resumes_the_same_sequences():
-    task = MQAR(64, 0)
+@pytest.mark.parametrize("task", [MQAR(64, 0), ModularArithmeticBrackets(5)], ids=["mqar", "arith_brackets"])
+def test_a_new_tasks_sampler_resumes_the_same_sequences(task):
     a = TaskSampler(task, 32, seed=1, curriculum="16:2,32")
     a.draw(4)
     state = a.state_dict()
