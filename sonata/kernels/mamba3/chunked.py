@@ -24,7 +24,8 @@ from sonata.kernels.mamba3.reference import empty_state, ranked, rotate
 
 def mamba3_chunked(q, k, x, dt, A, trap, angle, D=None, mimo_x=None, pairing="adjacent", state=None,
                    chunk_size=64):
-    """reference.mamba3_ref's result in chunks of `chunk_size` -> y (b, L, R, h, p), the final state."""
+    """reference.mamba3_ref's result in chunks of `chunk_size` score rows (chunk_size // R
+    tokens, at least 1) -> y (b, L, R, h, p), the final state."""
     b, L, R, h, n = q.shape
     p = x.shape[-1]
     Theta0, S0, kp, xp = state if state is not None else empty_state(b, R, h, p, n, angle.shape[-1], x.device,
@@ -41,7 +42,10 @@ def mamba3_chunked(q, k, x, dt, A, trap, angle, D=None, mimo_x=None, pairing="ad
     carry = S0 + ((1 - trap[:, 0]) * dt[:, 0])[..., None, None] * torch.einsum("brhn,brhp->bhpn", kp,
                                                                                 ranked(xp, mimo_x))
     adt = dt * A
-    T = max(1, min(chunk_size, L))
+    # a chunk of T tokens is a (T R) x (T R) product: R tokens' worth of rows per token, so the
+    # chunk holds chunk_size / R tokens (chunk_size rows, as mamba_ssm's MIMO chunks do); the
+    # work within a chunk grows with T R^2 per token, the carry between chunks with R alone
+    T = max(1, min(chunk_size // R, L))
     nc = -(-L // T)
     pad = nc * T - L
 
