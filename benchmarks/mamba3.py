@@ -5,9 +5,10 @@ Two tables, every row measured in one run, interleaved rounds, medians:
 1. training: a whole 2-layer LM's step (forward, sonata's loss, backward, AdamW) in tokens/s,
    its ratio to Mamba-2's in the same rounds, and the activation memory (what the forward
    saves for the backward, counted by autograd's saved-tensor hooks). Rows: Mamba-2 (SSD, headdim 32),
-   Mamba-3 SISO (its scan on the SSD kernel), Mamba-3 MIMO R=4 (chunks of matrix products,
-   chunk 16 = 64 / R as mamba_ssm recommends), the paper form, and Mamba-3 SISO on the
-   token-by-token reference scan (the oracle's speed, for scale).
+   Mamba-3 SISO (its scan on the SSD kernel), Mamba-3 MIMO R=4 (chunks of matrix products:
+   model.chunk_size 64 score rows, 16 tokens = 64 / R as mamba_ssm's MIMO chunks, and 32 rows,
+   8 tokens), the paper form, and Mamba-3 SISO on the token-by-token reference scan (the
+   oracle's speed, for scale).
 2. generation: one token of the same LMs at batch 1 (the layers' own one-token steps), median
    microseconds per token and the ratio to Mamba-2.
 
@@ -32,7 +33,8 @@ from sonata.model.lm import MambaLM
 # label, config overrides (beside arch, d_model, d_state, 2 layers, backend cpu)
 ROWS = [("mamba2", {"arch": "mamba2"}),
         ("mamba3 SISO", {"arch": "mamba3"}),
-        ("mamba3 MIMO R=4", {"arch": "mamba3", "mimo_rank": 4, "chunk_size": 16}),
+        ("mamba3 MIMO R=4", {"arch": "mamba3", "mimo_rank": 4}),
+        ("mamba3 MIMO R=4, chunk 32", {"arch": "mamba3", "mimo_rank": 4, "chunk_size": 32}),
         ("mamba3 paper form", {"arch": "mamba3", "mamba3_form": "paper"}),
         ("mamba3 SISO, reference scan", {"arch": "mamba3", "backend": "reference"})]
 SIZES = [("seed", 96, 16, 16, 128), ("d256 N64", 256, 64, 4, 512)]     # name, d_model, N, batch, L
