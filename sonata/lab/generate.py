@@ -113,9 +113,10 @@ class PromptCache:
     """Decoding states after prompts, so that a prompt which begins with one already run (a
     shared system prompt, a chat's earlier turns) is not run again. `start(ids)` restores the
     state after the longest cached prompt that `ids` begins with (`Decoder.restore`: the same
-    state, bit for bit), feeds only the tokens after it, caches the state after `ids` too, and
-    returns the decoder, ready to `step`, with the logits after `ids`. A prompt with nothing
-    cached runs as one parallel prefill. Every layer's state is kept: the conv windows and SSM
+    state, bit for bit), feeds only the tokens after it (one parallel pass from that state,
+    `Decoder.extend`; a single token, one step), caches the state after `ids` too, and returns
+    the decoder, ready to `step`, with the logits after `ids`. A prompt with nothing cached runs
+    as one parallel prefill. Every layer's state is kept: the conv windows and SSM
     states, and the keys and values of attention layers in hybrids (which llama.cpp runs again
     on every turn of a hybrid). Past `max_entries` the least recently used state goes."""
 
@@ -145,10 +146,11 @@ class PromptCache:
             snap = self.entries.pop(key)
             self.entries[key] = snap                       # most recently used last
             logits = dec.restore(snap)
-            nxt = torch.empty(self.batch, dtype=torch.long, device=dev)
-            with dec.threads():
-                for tok in ids[len(key):]:
-                    logits = dec._step(nxt.fill_(tok))
+            rest = ids[len(key):]
+            if len(rest) == 1:                             # one token: one step
+                logits = dec.step(torch.full((self.batch,), rest[0], dtype=torch.long, device=dev))
+            elif rest:                                     # more: one parallel pass from the state
+                logits = dec.extend(torch.tensor([rest] * self.batch, dtype=torch.long, device=dev))
         else:
             logits = dec.prefill(torch.tensor([ids] * self.batch, dtype=torch.long, device=dev))
         self.reused = len(key)

@@ -118,6 +118,23 @@ class _Decoder:
         return self.logits
 
     @torch.inference_mode()
+    def extend(self, tokens) -> torch.Tensor:
+        """Consume tokens (b, T) after the ones already in the state, in one parallel pass of
+        the model from that state (its chunked forward) -> the logits after the last (b,
+        vocab): what `step`ping them one by one gives, without T separate steps."""
+        k = self.k
+        order = [(self.pos + j) % k for j in range(k)]                 # ring slots, oldest first
+        states = [(self.conv_state[i][:, order].transpose(1, 2).contiguous(), self.ssm_state[i].clone())
+                  for i in range(self.conv_state.shape[0])]
+        logits, states = self.model(tokens, states, return_state=True)
+        for i, (conv, ssm) in enumerate(states):
+            self.conv_state[i].copy_(conv.transpose(1, 2))              # newest in slot k-1
+            self.ssm_state[i].copy_(ssm)
+        self.pos = 0
+        self.logits.copy_(logits[:, -1])
+        return self.logits
+
+    @torch.inference_mode()
     def snapshot(self) -> "DecodeState":
         """A copy of the decoding state as it stands (every layer's conv window and SSM state,
         the KV cache of attention layers, the logits after the last token): `restore` puts it
@@ -349,6 +366,13 @@ class StateDecoder(_Decoder):
 
     def _step(self, idx) -> torch.Tensor:
         self.logits, self.states = self.model.step(idx, self.states)
+        return self.logits
+
+    @torch.inference_mode()
+    def extend(self, tokens) -> torch.Tensor:
+        logits, states = self.model(tokens, self.states, return_state=True)
+        self.states = _map(states, torch.Tensor.contiguous)
+        self.logits = logits[:, -1]
         return self.logits
 
 

@@ -65,6 +65,25 @@ def test_a_batch_one_snapshot_starts_every_sequence_of_a_batch(name):
         assert torch.allclose(got[:, row], want[:, 0], atol=1e-5)
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_extend_runs_new_tokens_in_one_pass_where_steps_would_take_them(name):
+    """After a prefill and a few steps, `extend` over the next tokens lands where stepping
+    them one by one lands (logits, and the steps after), on every engine."""
+    m, fused = MODELS[name]()
+    ids = _ids(2, 30, seed=4)
+    a, b = Decoder(m, 2, fused=fused), Decoder(m, 2, fused=fused)
+    for dec in (a, b):
+        dec.prefill(ids[:, :9])
+        for t in range(9, 12):                               # the ring's slot moves off 0
+            dec.step(ids[:, t])
+    for t in range(12, 25):
+        want = a.step(ids[:, t])
+    got = b.extend(ids[:, 12:25])
+    assert torch.allclose(got, want, atol=1e-5), name
+    for t in range(25, 30):
+        assert torch.allclose(b.step(ids[:, t]), a.step(ids[:, t]), atol=1e-5), (name, t)
+
+
 @pytest.mark.parametrize("name", ["mamba-fused", "mamba2", "gdn-attention"])
 def test_the_prompt_cache_runs_only_the_new_tokens_and_lands_where_a_full_prefill_does(name):
     m, _ = MODELS[name]()
