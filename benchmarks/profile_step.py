@@ -74,8 +74,9 @@ def profile_race(name: str, steps: int, warmup: int):
 
 def _fused(op: str) -> bool:
     """sonata's fused kernels as the profiler names them: their autograd Functions
-    (SelectiveScanFn, CrossEntropyFn, ... and their backwards)."""
-    return op.endswith("Fn") or op.endswith("FnBackward")
+    (SelectiveScanFn, ... and their backwards) and their custom ops (sonata::cross_entropy,
+    sonata::cross_entropy_backward, ...)."""
+    return op.endswith("Fn") or op.endswith("FnBackward") or op.startswith("sonata::")
 
 
 def race_split(names, steps: int, warmup: int) -> None:

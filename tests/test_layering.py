@@ -25,13 +25,13 @@ INSIDE = {
     # dispatch (the backend policy) at the bottom; one folder per family (selective, layers,
     # ssd), each family's __init__ (its entry points) above its files; the re-exports, then
     # the SSD (its packed form calls the re-exported gated norm)
-    "kernels": [{"dispatch", "numba_cache", "cpu_arrays", "selective.autograd", "layers.autograd"},
+    "kernels": [{"dispatch", "numba_cache", "cpu_arrays", "selective.autograd"},
                 {"cpu_simd", "selective.reference", "layers.reference", "ssd.reference", "gdn.reference",
                  "mamba3.reference"},
                 {"selective.cpu_kernels", "selective.decode_cpu", "selective.triton", "layers.cpu_conv",
                  "layers.cpu_norm", "layers.cpu_loss", "ssd.triton_fwd", "ssd.cpu_fused", "ssd.step",
                  "ssd.cpu_steps", "ssd.cpu_recurrent", "gdn.cpu", "mamba3.chunked", "mamba3.cpu_step"},
-                {"selective.cpu", "layers.cpu", "ssd.cpu", "ssd.triton_bwd"},
+                {"selective.cpu", "layers.cpu", "ssd.cpu", "ssd.triton_bwd"}, {"layers.ops"},
                 {"ssd.triton", "selective", "layers"}, {"__init__"}, {"ssd", "gdn"}, {"mamba3.ssd_form"}, {"mamba3"}, {"doctor"}],
     "data": [{"vocab"}, {"sources"}, {"token_cache"}, {"batches", "tasks"}],
     "model": [{"quant", "norm", "gpt2"}, {"block"}, {"mamba", "mamba2", "mamba3", "attention", "gdn"}, {"families"},

@@ -9,15 +9,19 @@
     cross_entropy(logits, target, backend)           the training loss (mean over rows)
 
 The folder: reference.py (the oracles), cpu.py (the `cpu` backend's torch glue) and its numba
-kernels cpu_conv.py, cpu_norm.py, cpu_loss.py, autograd.py (their torch.autograd Functions).
+kernels cpu_conv.py, cpu_norm.py, cpu_loss.py, ops.py (each forward and backward a PyTorch
+custom op, torch.ops.sonata.*, with its fake implementation and autograd: torch.compile traces
+through them without a graph break).
 Fused in numba for the `cpu` backend; PyTorch ops for the others, which is their design and not
 a fallback (there are no Triton kernels here); `cpu` falling back (no numba, a GPU tensor, a
 dtype the kernels do not take) counts (sonata.kernels.dispatch, `LAYERS` below).
 """
 from __future__ import annotations
 
+import torch
+
 from sonata.kernels import dispatch
-from sonata.kernels.layers.autograd import CausalConvSiluFn, ConvSiluFn, CrossEntropyFn, RMSNormFn, RMSNormGatedFn
+from sonata.kernels.layers import ops  # noqa: F401  (registers torch.ops.sonata.*: the fused calls below)
 from sonata.kernels.layers.reference import conv_silu_ref, cross_entropy_ref, rms_norm_gated_ref, rms_norm_ref
 
 # "scan" in its errors: the layers take the model's one backend setting, the scan's
@@ -35,19 +39,11 @@ def fused_cpu(backend, x):
     return None
 
 
-# the fused calls, opaque to torch.compile (dispatch.opaque: numba cannot be traced)
-_rms_norm_fused = dispatch.opaque(RMSNormFn.apply)
-_conv_silu_fused = dispatch.opaque(ConvSiluFn.apply)
-_causal_conv_silu_fused = dispatch.opaque(CausalConvSiluFn.apply)
-_rms_norm_gated_fused = dispatch.opaque(RMSNormGatedFn.apply)
-_cross_entropy_fused = dispatch.opaque(CrossEntropyFn.apply)
-
-
 def rms_norm(x, weight, eps, backend="auto"):
     """x * rsqrt(mean(x^2, -1) + eps) * weight for x (..., d), weight (d,)."""
     impl = fused_cpu(backend, x)
     if impl is not None:
-        return _rms_norm_fused(impl, x, weight, eps)
+        return torch.ops.sonata.rms_norm(x, weight, float(eps))[0]
     return rms_norm_ref(x, weight, eps)
 
 
@@ -60,7 +56,7 @@ def conv_silu(xz, weight, bias, backend="auto"):
     the whole projection's gradient at once; PyTorch ops for the others (z a view of xz)."""
     impl = fused_cpu(backend, xz)
     if impl is not None:
-        u, z = _conv_silu_fused(impl, xz, weight, bias)
+        u, z = torch.ops.sonata.conv_silu(xz, weight, bias)
         return u.transpose(1, 2), z.transpose(1, 2)
     dim = weight.shape[0]
     return conv_silu_ref(xz[..., :dim], weight, bias), xz[..., dim:]
@@ -75,7 +71,7 @@ def causal_conv_silu(x, weight, bias, backend="auto", out_dtype=None):
     input skips one rounding and the next kernel's conversion."""
     impl = fused_cpu(backend, x)
     if impl is not None:
-        return _causal_conv_silu_fused(impl, x, weight, bias, out_dtype)
+        return torch.ops.sonata.causal_conv_silu(x, weight, bias, out_dtype)
     out = conv_silu_ref(x, weight, bias)
     return out if out_dtype is None else out.to(out_dtype)
 
@@ -91,7 +87,7 @@ def rms_norm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gat
         raise ValueError(f"rms_norm_gated: group_size {g} must divide the {d} channels")
     impl = fused_cpu(backend, x)
     if impl is not None:
-        return _rms_norm_gated_fused(impl, x, weight, z, eps, g, norm_before_gate)
+        return torch.ops.sonata.rms_norm_gated(x, weight, z, float(eps), int(g), bool(norm_before_gate))[0]
     return rms_norm_gated_ref(x, weight, z, eps, g, norm_before_gate)
 
 
@@ -101,7 +97,7 @@ def cross_entropy(logits, target, backend="auto"):
     logits, target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
     impl = fused_cpu(backend, logits)
     if impl is not None:
-        return _cross_entropy_fused(impl, logits, target)
+        return torch.ops.sonata.cross_entropy(logits, target)[0]
     return cross_entropy_ref(logits, target)
 
 

@@ -9,8 +9,8 @@ their numba kernels:
 It turns torch tensors into the arrays the kernels read (sonata/kernels/cpu_arrays.py), allocates
 their outputs and partials, and is what `sonata.kernels.layers` loads as the backend:
 conv_silu_forward / _backward, causal_conv_silu_forward / _backward, rms_norm_forward / _backward,
-rms_norm_gated_forward / _backward, cross_entropy_forward / _backward (the interfaces of
-layers/autograd.py). numba compiles each kernel on first use and caches it on disk, keyed by
+rms_norm_gated_forward / _backward, cross_entropy_forward / _backward (the ops of
+layers/ops.py call them). numba compiles each kernel on first use and caches it on disk, keyed by
 every source of sonata/kernels (`numba_cache`).
 """
 from __future__ import annotations
