@@ -18,10 +18,8 @@ dtype the kernels do not take) counts (sonata.kernels.dispatch, `LAYERS` below).
 """
 from __future__ import annotations
 
-import torch
-
 from sonata.kernels import dispatch
-from sonata.kernels.layers import ops  # noqa: F401  (registers torch.ops.sonata.*: the fused calls below)
+from sonata.kernels.layers import ops
 from sonata.kernels.layers.reference import conv_silu_ref, cross_entropy_ref, rms_norm_gated_ref, rms_norm_ref
 
 # "scan" in its errors: the layers take the model's one backend setting, the scan's
@@ -43,7 +41,7 @@ def rms_norm(x, weight, eps, backend="auto"):
     """x * rsqrt(mean(x^2, -1) + eps) * weight for x (..., d), weight (d,)."""
     impl = fused_cpu(backend, x)
     if impl is not None:
-        return torch.ops.sonata.rms_norm(x, weight, float(eps))[0]
+        return ops.rms_norm(x, weight, float(eps))[0]
     return rms_norm_ref(x, weight, eps)
 
 
@@ -56,7 +54,7 @@ def conv_silu(xz, weight, bias, backend="auto"):
     the whole projection's gradient at once; PyTorch ops for the others (z a view of xz)."""
     impl = fused_cpu(backend, xz)
     if impl is not None:
-        u, z = torch.ops.sonata.conv_silu(xz, weight, bias)
+        u, z = ops.conv_silu(xz, weight, bias)
         return u.transpose(1, 2), z.transpose(1, 2)
     dim = weight.shape[0]
     return conv_silu_ref(xz[..., :dim], weight, bias), xz[..., dim:]
@@ -71,7 +69,7 @@ def causal_conv_silu(x, weight, bias, backend="auto", out_dtype=None):
     input skips one rounding and the next kernel's conversion."""
     impl = fused_cpu(backend, x)
     if impl is not None:
-        return torch.ops.sonata.causal_conv_silu(x, weight, bias, out_dtype)
+        return ops.causal_conv_silu(x, weight, bias, out_dtype)
     out = conv_silu_ref(x, weight, bias)
     return out if out_dtype is None else out.to(out_dtype)
 
@@ -87,7 +85,7 @@ def rms_norm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gat
         raise ValueError(f"rms_norm_gated: group_size {g} must divide the {d} channels")
     impl = fused_cpu(backend, x)
     if impl is not None:
-        return torch.ops.sonata.rms_norm_gated(x, weight, z, float(eps), int(g), bool(norm_before_gate))[0]
+        return ops.rms_norm_gated(x, weight, z, float(eps), int(g), bool(norm_before_gate))[0]
     return rms_norm_gated_ref(x, weight, z, eps, g, norm_before_gate)
 
 
@@ -97,7 +95,7 @@ def cross_entropy(logits, target, backend="auto"):
     logits, target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
     impl = fused_cpu(backend, logits)
     if impl is not None:
-        return torch.ops.sonata.cross_entropy(logits, target)[0]
+        return ops.cross_entropy(logits, target)[0]
     return cross_entropy_ref(logits, target)
 
 
