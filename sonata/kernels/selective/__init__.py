@@ -6,7 +6,9 @@
 
 The folder: reference.py (`selective_scan_ref`, the oracle; `project_delta`; `step`, one token),
 cpu.py (the `cpu` backend's torch glue) and cpu_kernels.py (its numba kernels), decode_cpu.py (the
-model's one-token fused decode), triton.py (the `triton` backend), autograd.py (`fused_scan`).
+model's one-token fused decode), triton.py (the `triton` backend), ops.py (the `cpu` scan's
+forward and backward as PyTorch custom ops, torch.ops.sonata.selective_scan*: what the `cpu`
+backend runs, traced by torch.compile), autograd.py (`fused_scan`, the Triton path's autograd).
 
 `initial_state` (batch, d_inner, N), when given, is the state before the first step (mamba_ssm
 has no such argument; zeros when None), and it receives a gradient: with `return_last_state`
@@ -28,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from sonata.kernels import dispatch
+from sonata.kernels.selective import ops
 from sonata.kernels.selective.autograd import fused_scan
 from sonata.kernels.selective.reference import project_delta, selective_scan_ref, step
 
@@ -54,8 +57,12 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None,
     if name == "triton":
         dispatch.triton_chosen("selective_scan", backend, u)
     impl, _ = dispatch.load_backend(getattr(SELECTIVE, name))
-    out, last_state = fused_scan(impl, u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj,
-                                 initial_state)
+    if name == "cpu":                   # a custom op: torch.compile traces through it (ops.py)
+        out, last_state, _ = ops.selective_scan(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus),
+                                                delta_proj, initial_state)
+    else:
+        out, last_state = fused_scan(impl, u, delta, A, B, C, D, z, delta_bias, delta_softplus, delta_proj,
+                                     initial_state)
     return (out, last_state) if return_last_state else out
 
 
