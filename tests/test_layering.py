@@ -31,7 +31,7 @@ INSIDE = {
                 {"selective.cpu_kernels", "selective.decode_cpu", "selective.triton", "layers.cpu_conv",
                  "layers.cpu_norm", "layers.cpu_loss", "ssd.triton_fwd", "ssd.cpu_fused", "ssd.step",
                  "ssd.cpu_steps", "ssd.cpu_recurrent", "gdn.cpu", "mamba3.chunked", "mamba3.cpu_step"},
-                {"selective.cpu", "layers.cpu", "ssd.cpu", "ssd.triton_bwd"}, {"layers.ops", "selective.ops"},
+                {"selective.cpu", "layers.cpu", "ssd.cpu", "ssd.triton_bwd"}, {"layers.ops", "selective.ops", "gdn.ops"},
                 {"ssd.triton", "selective", "layers"}, {"__init__"}, {"ssd", "gdn"}, {"mamba3.ssd_form"}, {"mamba3"}, {"doctor"}],
     "data": [{"vocab"}, {"sources"}, {"token_cache"}, {"batches", "tasks"}],
     "model": [{"quant", "norm", "gpt2"}, {"block"}, {"mamba", "mamba2", "mamba3", "attention", "gdn"}, {"families"},

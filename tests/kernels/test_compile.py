@@ -47,15 +47,16 @@ def test_a_compiled_model_trains_with_eagers_numbers(name):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_graph_breaks_only_where_a_scan_is_not_yet_an_op(name):
-    """Mamba-1, attention and Mamba-3 MIMO (their fused kernels all custom ops, the layers' and
-    the selective scan's; MIMO's chunked scan is PyTorch) compile into one graph with no break;
-    the others break only at their scans' opaque calls (dispatch.opaque), nowhere else."""
+    """Mamba-1, GDN, attention and Mamba-3 MIMO (their fused kernels all custom ops: the
+    layers', the selective scan's, the gated delta rule's; MIMO's chunked scan is PyTorch)
+    compile into one graph with no break; the others (the SSD scan of Mamba-2 and Mamba-3 SISO)
+    break only at their scans' opaque calls (dispatch.opaque), nowhere else."""
     torch._dynamo.reset()
     m = _model(**FAMILIES[name])
     x = torch.randint(0, 64, (2, 24))
     m(x)                                                 # every fused module imported
     ex = torch._dynamo.explain(m)(x)
-    if name in ("mamba", "attention", "mamba3-mimo"):
+    if name in ("mamba", "attention", "mamba3-mimo", "gdn"):
         assert (ex.graph_count, ex.graph_break_count) == (1, 0), [str(r.reason) for r in ex.break_reasons]
         return
     assert ex.graph_break_count > 0
@@ -63,7 +64,7 @@ def test_graph_breaks_only_where_a_scan_is_not_yet_an_op(name):
         assert "torch.compiler.disable" in str(r.reason), str(r.reason)
 
 
-@pytest.mark.parametrize("name", ["mamba", "attention", "mamba3-mimo"])
+@pytest.mark.parametrize("name", ["mamba", "attention", "mamba3-mimo", "gdn"])
 def test_torch_export_of_the_inference_forward_saves_loads_and_runs(name, tmp_path):
     """The families whose kernels are all ops export (torch.export) with sonata's ops in the
     graph; the saved program loads back and gives eager's logits on other inputs too."""

@@ -13,6 +13,7 @@ from sonata.kernels.gdn import (BACKENDS, gated_delta_rule, gated_delta_rule_ste
 
 numba = pytest.importorskip("numba")
 from sonata.kernels.gdn import cpu as gdn_cpu_mod  # noqa: E402
+from sonata.kernels.gdn import ops as gdn_ops  # noqa: E402
 
 
 def inputs(b=2, L=13, h=4, hk=2, dk=8, dv=6, dtype=torch.float64, seed=0, grad=True):
@@ -58,7 +59,7 @@ CASES = [(1, 4, 1), (7, 4, 2), (16, 4, 1), (17, 16, 2), (37, 8, 4), (64, 64, 1),
 def test_each_form_equals_the_float64_recurrence_values_state_and_every_gradient(L, chunk, hk, impl):
     xs = inputs(L=L, hk=hk)
     want = run(gdn_recurrent_ref, xs)
-    f = gdn_chunked_ref if impl == "chunked" else gdn_cpu_mod.gdn_cpu
+    f = gdn_chunked_ref if impl == "chunked" else gdn_ops.gdn_cpu
     got = run(f, xs, chunk_size=chunk)
     assert_close(got, want, 1e-12)
 
@@ -68,7 +69,7 @@ def test_the_result_does_not_depend_on_the_chunk_size():
     want = run(gdn_chunked_ref, xs, chunk_size=40)
     for chunk in (1, 3, 64):
         assert_close(run(gdn_chunked_ref, xs, chunk_size=chunk), want, 1e-12)
-        assert_close(run(gdn_cpu_mod.gdn_cpu, xs, chunk_size=chunk), want, 1e-12)
+        assert_close(run(gdn_ops.gdn_cpu, xs, chunk_size=chunk), want, 1e-12)
 
 
 @pytest.mark.parametrize("impl", ["chunked", "cpu"])
@@ -76,7 +77,7 @@ def test_float32_is_within_float32_tolerance_of_the_oracle(impl):
     xs64 = inputs(L=50, h=4, hk=2, dk=16, dv=16)
     want = run(gdn_recurrent_ref, xs64)
     xs32 = [t.detach().float().requires_grad_() for t in xs64]
-    f = gdn_chunked_ref if impl == "chunked" else gdn_cpu_mod.gdn_cpu
+    f = gdn_chunked_ref if impl == "chunked" else gdn_ops.gdn_cpu
     got = run(f, xs32, chunk_size=16)
     assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
     assert_close(got, want, 2e-5)
@@ -91,7 +92,7 @@ def test_a_strong_decay_and_full_writes_stay_finite():
     xs = [t.requires_grad_() for t in xs]
     want = run(gdn_recurrent_ref, xs)
     assert_close(run(gdn_chunked_ref, xs, chunk_size=16), want, 1e-10)
-    assert_close(run(gdn_cpu_mod.gdn_cpu, xs, chunk_size=16), want, 1e-10)
+    assert_close(run(gdn_ops.gdn_cpu, xs, chunk_size=16), want, 1e-10)
 
 
 def test_without_initial_state_or_final_state():
@@ -143,8 +144,8 @@ def test_the_fused_step_runs_on_a_float32_state_and_matches_the_reference(monkey
 def test_the_cpu_kernels_write_every_output_and_are_deterministic(monkeypatch):
     monkeypatch.setattr(gdn_cpu_mod, "POISON", True)          # outputs start as NaN
     xs = [t.detach().float().requires_grad_() for t in inputs(L=21, hk=2)]
-    first = run(gdn_cpu_mod.gdn_cpu, xs, chunk_size=8)
-    second = run(gdn_cpu_mod.gdn_cpu, xs, chunk_size=8)
+    first = run(gdn_ops.gdn_cpu, xs, chunk_size=8)
+    second = run(gdn_ops.gdn_cpu, xs, chunk_size=8)
     for name, a, b in zip(NAMES, first, second):
         assert torch.isfinite(a).all(), name
         assert torch.equal(a, b), f"{name} differs between two runs"
@@ -199,3 +200,12 @@ def test_bad_arguments_are_named(make, fragment):
         gated_delta_rule(*args[:5], initial_state=args[5])
     with pytest.raises(ValueError, match="chunk_size must be a positive int"):
         gated_delta_rule(*inputs(L=5, grad=False)[:5], chunk_size=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_the_rule_op_passes_opcheck(dtype, with_state):
+    """torch.ops.sonata.gated_delta_rule (gdn/ops.py): schema, the fake implementation against
+    the real one, and the autograd registration, grouped key heads, with and without S0."""
+    q, k, v, g, beta, S0 = inputs(L=11, dtype=dtype)
+    torch.library.opcheck(gdn_ops.gated_delta_rule, (q, k, v, g, beta, S0 if with_state else None, 0.35, 4))

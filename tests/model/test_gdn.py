@@ -127,14 +127,15 @@ def test_a_stack_with_mamba2_and_gdn_layers_generates():
     assert torch.equal(m.generate(prompt, 8, temperature=0), m.generate_reference(prompt, 8, temperature=0))
 
 
-def test_a_hybrid_with_attention_keeps_chunked_state():
+def test_a_hybrid_with_attention_keeps_chunked_state_and_generates():
     m = model(layers="gdn,attention,gdn")
     assert [type(layer) for layer in m.layers] == [GDNBlock, AttentionBlock, GDNBlock]
-    assert not families.recurrent(m.cfg)
+    assert families.recurrent(m.cfg)                    # attention steps against its keys and values
     ids = torch.randint(0, 40, (2, 20), generator=torch.Generator().manual_seed(4))
     a, state = m(ids[:, :12], return_state=True)
     b, _ = m(ids[:, 12:], state)
     assert torch.allclose(torch.cat([a, b], 1), m(ids), atol=1e-5)
+    assert torch.equal(m.generate(ids[:, :5], 6, temperature=0), m.generate_reference(ids[:, :5], 6, temperature=0))
 
 
 def test_every_parameter_learns_and_the_decay_is_negative():

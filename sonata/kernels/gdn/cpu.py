@@ -202,56 +202,49 @@ def _new(shape, ct):
     return torch.full(shape, math.nan, dtype=ct) if POISON else torch.empty(shape, dtype=ct)
 
 
-class GDNFunction(torch.autograd.Function):
-    """The fused forward and backward joined to autograd."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, S0, scale, chunk_size):
-        ct = compute_dtype(v.dtype)
-        b, L, h, dv = v.shape
-        dk = q.shape[-1]
-        C = max(1, min(int(chunk_size), L))
-        n_chunks = -(-L // C)
-        qa, ka, va, ga, ba = (_arr(t, ct) for t in (q, k, v, g, beta))
-        S0a = np.zeros((b, h, dk, dv), dtype=va.dtype) if S0 is None else _arr(S0, ct)
-        o, ckpt, S_end = _new((b, L, h, dv), ct), _new((b, h, n_chunks, dk, dv), ct), _new((b, h, dk, dv), ct)
-        n = workers()
-        for_workers(gdn_forward_kernel, n)(qa, ka, va, ga, ba, S0a, va.dtype.type(scale), C, n,
-                                           o.numpy(), ckpt.numpy(), S_end.numpy())
-        ctx.save_for_backward(ckpt)
-        ctx.arrays = (qa, ka, va, ga, ba)
-        ctx.meta = (scale, C, S0 is not None, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
-                    None if S0 is None else S0.dtype)
-        return o.to(v.dtype), S_end
-
-    @staticmethod
-    def backward(ctx, do, dS_end):
-        (ckpt,) = ctx.saved_tensors
-        qa, ka, va, ga, ba = ctx.arrays
-        scale, C, has_S0, qt, kt, vt, gt, bt, st = ctx.meta
-        ct = compute_dtype(vt)
-        b, L, hk, dk = qa.shape
-        h, dv = va.shape[2], va.shape[3]
-        doa = np.zeros((b, L, h, dv), dtype=va.dtype) if do is None else _arr(do, ct)
-        dSa = np.zeros((b, h, dk, dv), dtype=va.dtype) if dS_end is None else _arr(dS_end, ct)
-        dq, dkk = _new((b, L, h, dk), ct), _new((b, L, h, dk), ct)
-        dvv, dg, dbeta, dS0 = _new((b, L, h, dv), ct), _new((b, L, h), ct), _new((b, L, h), ct), _new((b, h, dk, dv), ct)
-        n = workers()
-        for_workers(gdn_backward_kernel, n)(qa, ka, va, ga, ba, ckpt.numpy(), va.dtype.type(scale), C, doa, dSa, n,
-                                            dq.numpy(), dkk.numpy(), dvv.numpy(), dg.numpy(), dbeta.numpy(),
-                                            dS0.numpy())
-        if hk != h:                                             # the value heads sharing a key head
-            dq, dkk = (t.reshape(b, L, hk, h // hk, dk).sum(3) for t in (dq, dkk))
-        return (dq.to(qt), dkk.to(kt), dvv.to(vt), dg.to(gt), dbeta.to(bt), dS0.to(st) if has_S0 else None,
-                None, None)
+def chunk_of(chunk_size: int, L: int) -> int:
+    """The forward's checkpoint spacing for L tokens: chunk_size, at least 1 and at most L."""
+    return max(1, min(int(chunk_size), L))
 
 
-@opaque
-def gdn_cpu(q, k, v, g, beta, scale=None, initial_state=None, return_final_state=False, chunk_size=64):
-    """`gdn_chunked_ref`'s arguments and results, on the fused kernels."""
-    scale = default_scale(q) if scale is None else float(scale)
-    o, S = GDNFunction.apply(q, k, v, g, beta, initial_state, scale, chunk_size)
-    return (o, S) if return_final_state else o
+def gdn_forward(q, k, v, g, beta, S0, scale: float, chunk_size: int):
+    """The fused forward -> (o (b, L, h, dv) in v's dtype, the final state (b, h, dk, dv) and the
+    states every chunk (b, h, n_chunks, dk, dv), both in the compute dtype; the backward reads
+    the last)."""
+    ct = compute_dtype(v.dtype)
+    b, L, h, dv = v.shape
+    dk = q.shape[-1]
+    C = chunk_of(chunk_size, L)
+    n_chunks = -(-L // C)
+    qa, ka, va, ga, ba = (_arr(t, ct) for t in (q, k, v, g, beta))
+    S0a = np.zeros((b, h, dk, dv), dtype=va.dtype) if S0 is None else _arr(S0, ct)
+    o, ckpt, S_end = _new((b, L, h, dv), ct), _new((b, h, n_chunks, dk, dv), ct), _new((b, h, dk, dv), ct)
+    n = workers()
+    for_workers(gdn_forward_kernel, n)(qa, ka, va, ga, ba, S0a, va.dtype.type(scale), C, n,
+                                       o.numpy(), ckpt.numpy(), S_end.numpy())
+    return o.to(v.dtype), S_end, ckpt
+
+
+def gdn_backward(do, dS_end, q, k, v, g, beta, ckpt, scale: float, chunk_size: int, S0_dtype):
+    """The fused backward from the forward's inputs and checkpoints -> (dq, dk, dv, dg, dbeta,
+    dS0), each in its input's dtype (dS0 in `S0_dtype`; None when there was no initial state);
+    do or dS_end may be None (no gradient reached that output)."""
+    ct = compute_dtype(v.dtype)
+    qa, ka, va, ga, ba = (_arr(t, ct) for t in (q, k, v, g, beta))
+    b, L, hk, dk = qa.shape
+    h, dv = va.shape[2], va.shape[3]
+    doa = np.zeros((b, L, h, dv), dtype=va.dtype) if do is None else _arr(do, ct)
+    dSa = np.zeros((b, h, dk, dv), dtype=va.dtype) if dS_end is None else _arr(dS_end, ct)
+    dq, dkk = _new((b, L, h, dk), ct), _new((b, L, h, dk), ct)
+    dvv, dg, dbeta, dS0 = _new((b, L, h, dv), ct), _new((b, L, h), ct), _new((b, L, h), ct), _new((b, h, dk, dv), ct)
+    n = workers()
+    for_workers(gdn_backward_kernel, n)(qa, ka, va, ga, ba, _arr(ckpt, ct), va.dtype.type(scale),
+                                        chunk_of(chunk_size, L), doa, dSa, n, dq.numpy(), dkk.numpy(), dvv.numpy(),
+                                        dg.numpy(), dbeta.numpy(), dS0.numpy())
+    if hk != h:                                             # the value heads sharing a key head
+        dq, dkk = (t.reshape(b, L, hk, h // hk, dk).sum(3) for t in (dq, dkk))
+    return (dq.to(q.dtype), dkk.to(k.dtype), dvv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
+            None if S0_dtype is None else dS0.to(S0_dtype))
 
 
 @opaque
@@ -266,4 +259,5 @@ def gdn_step_cpu(state, q, k, v, g, beta, scale=None):
     return o.to(v.dtype)
 
 
-__all__ = ["GDNFunction", "gdn_backward_kernel", "gdn_cpu", "gdn_forward_kernel", "gdn_step_cpu", "gdn_step_kernel"]
+__all__ = ["gdn_backward", "gdn_backward_kernel", "gdn_forward", "gdn_forward_kernel", "gdn_step_cpu",
+           "gdn_step_kernel"]
