@@ -32,7 +32,18 @@ from sonata.kernels.layers import (causal_conv_silu, conv_silu, conv_silu_ref, c
                                    rms_norm, rms_norm_gated, rms_norm_gated_ref, rms_norm_ref)
 from sonata.kernels.selective import resolve_backend, selective_scan, selective_scan_ref
 
-__all__ = ["selective_scan", "selective_scan_ref", "conv_silu", "conv_silu_ref", "causal_conv_silu",
+def register_ops() -> None:
+    """Register every kernel that is a PyTorch custom op (torch.ops.sonata.*: the layer ops,
+    Mamba-1's scan, GDN's rule). Each registers itself on first use; a process that loads an
+    exported program (torch.export.load) before running any sonata kernel calls this first.
+    It imports torch._dynamo and triton: after `use_triton_interpreter_without_gpu`."""
+    import importlib
+
+    for family in ("layers", "selective", "gdn"):
+        importlib.import_module(f"sonata.kernels.{family}.ops")
+
+
+__all__ = ["register_ops", "selective_scan", "selective_scan_ref", "conv_silu", "conv_silu_ref", "causal_conv_silu",
            "rms_norm_gated", "rms_norm_gated_ref",
            "rms_norm", "rms_norm_ref", "cross_entropy", "cross_entropy_ref", "fallback_count",
            "reset_fallback_count", "record_fallback",

@@ -24,6 +24,7 @@ process (`triton_chosen`: a RuntimeWarning naming it, it has only run in Triton'
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -167,8 +168,19 @@ def opaque(fn):
     """`fn` (a call into numba kernels) as torch.compile must take it: run as it is, never
     traced (dynamo cannot trace numba's dispatchers and stops with an error inside them), so a
     compiled model breaks its graph there and runs the fused kernel eagerly. Eager calls pay
-    about half a microsecond. Every family wraps its fused CPU entry points in it."""
-    return torch.compiler.disable(fn)
+    about half a microsecond. Every family wraps its fused CPU entry points that are not custom
+    ops in it. The `torch.compiler.disable` wrapper is made on the first call, not here: making
+    it imports torch._dynamo, and with it triton, which must not happen when sonata is imported
+    (Triton's interpreter is switched on by an environment variable read at triton's import:
+    `use_triton_interpreter_without_gpu`)."""
+    made = []
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not made:
+            made.append(torch.compiler.disable(fn))
+        return made[0](*args, **kwargs)
+    return call
 
 
 # --------------------------------------------------------------------------- the resolver

@@ -75,6 +75,8 @@ def test_torch_export_of_the_inference_forward_saves_loads_and_runs(name, tmp_pa
         ops = {str(n.target) for n in ep.graph.nodes if "sonata" in str(n.target)}
         assert {"sonata.selective_scan.default", "sonata.conv_silu.default", "sonata.rms_norm.default"} <= ops
     torch.export.save(ep, tmp_path / "m.pt2")
+    from sonata.kernels import register_ops
+    register_ops()                                       # what a fresh process calls before loading
     loaded = torch.export.load(tmp_path / "m.pt2").module()
     for seed in (2, 3):
         x = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(seed))

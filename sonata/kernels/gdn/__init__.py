@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 
 from sonata.kernels import dispatch
-from sonata.kernels.gdn import ops
 from sonata.kernels.gdn.reference import (check_step, default_scale, expand_heads, gdn_chunked_ref,
                                           gdn_recurrent_ref, gdn_step_ref, l2norm)
 
@@ -76,7 +75,8 @@ def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, return_fi
     if v.shape[1] == 0:
         name = "recurrent"                              # nothing to compute
     if name == "cpu":
-        impl = ops.gdn_cpu                              # the custom op (gdn/ops.py) on cpu.py's kernels
+        from sonata.kernels.gdn import ops              # registered on first use (it imports dynamo)
+        impl = ops.gdn_cpu                              # the custom op on cpu.py's kernels
     else:
         impl = {"reference": gdn_chunked_ref, "recurrent": gdn_recurrent_ref}[name]
     return impl(q, k, v, g, beta, scale=scale, initial_state=initial_state,

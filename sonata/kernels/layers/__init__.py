@@ -19,7 +19,6 @@ dtype the kernels do not take) counts (sonata.kernels.dispatch, `LAYERS` below).
 from __future__ import annotations
 
 from sonata.kernels import dispatch
-from sonata.kernels.layers import ops
 from sonata.kernels.layers.reference import conv_silu_ref, cross_entropy_ref, rms_norm_gated_ref, rms_norm_ref
 
 # "scan" in its errors: the layers take the model's one backend setting, the scan's
@@ -27,11 +26,14 @@ LAYERS = dispatch.Family("layers", "scan", cpu="layers.cpu", triton=None)
 
 
 def fused_cpu(backend, x):
-    """The layers' cpu backend module when `backend` resolves to it for x, else None (a `cpu`
-    request that cannot run counts as a fallback; other backends use PyTorch ops by design)."""
+    """The layers' custom ops (layers/ops.py, on the cpu backend's kernels) when `backend`
+    resolves to cpu for x, else None (a `cpu` request that cannot run counts as a fallback;
+    other backends use PyTorch ops by design). The ops module is imported here, on first use:
+    registering an op imports torch._dynamo (and triton), which sonata's import must not."""
     name, reason = dispatch.resolve(LAYERS, backend, x)
     if name == "cpu":
-        return dispatch.load_backend(LAYERS.cpu)[0]
+        from sonata.kernels.layers import ops
+        return ops
     if reason is not None and backend == "cpu":
         dispatch.record_fallback(reason)
     return None
@@ -41,7 +43,7 @@ def rms_norm(x, weight, eps, backend="auto"):
     """x * rsqrt(mean(x^2, -1) + eps) * weight for x (..., d), weight (d,)."""
     impl = fused_cpu(backend, x)
     if impl is not None:
-        return ops.rms_norm(x, weight, float(eps))[0]
+        return impl.rms_norm(x, weight, float(eps))[0]
     return rms_norm_ref(x, weight, eps)
 
 
@@ -54,7 +56,7 @@ def conv_silu(xz, weight, bias, backend="auto"):
     the whole projection's gradient at once; PyTorch ops for the others (z a view of xz)."""
     impl = fused_cpu(backend, xz)
     if impl is not None:
-        u, z = ops.conv_silu(xz, weight, bias)
+        u, z = impl.conv_silu(xz, weight, bias)
         return u.transpose(1, 2), z.transpose(1, 2)
     dim = weight.shape[0]
     return conv_silu_ref(xz[..., :dim], weight, bias), xz[..., dim:]
@@ -69,7 +71,7 @@ def causal_conv_silu(x, weight, bias, backend="auto", out_dtype=None):
     input skips one rounding and the next kernel's conversion."""
     impl = fused_cpu(backend, x)
     if impl is not None:
-        return ops.causal_conv_silu(x, weight, bias, out_dtype)
+        return impl.causal_conv_silu(x, weight, bias, out_dtype)
     out = conv_silu_ref(x, weight, bias)
     return out if out_dtype is None else out.to(out_dtype)
 
@@ -85,7 +87,7 @@ def rms_norm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gat
         raise ValueError(f"rms_norm_gated: group_size {g} must divide the {d} channels")
     impl = fused_cpu(backend, x)
     if impl is not None:
-        return ops.rms_norm_gated(x, weight, z, float(eps), int(g), bool(norm_before_gate))[0]
+        return impl.rms_norm_gated(x, weight, z, float(eps), int(g), bool(norm_before_gate))[0]
     return rms_norm_gated_ref(x, weight, z, eps, g, norm_before_gate)
 
 
@@ -95,7 +97,7 @@ def cross_entropy(logits, target, backend="auto"):
     logits, target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
     impl = fused_cpu(backend, logits)
     if impl is not None:
-        return ops.cross_entropy(logits, target)[0]
+        return impl.cross_entropy(logits, target)[0]
     return cross_entropy_ref(logits, target)
 
 

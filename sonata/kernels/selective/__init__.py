@@ -30,7 +30,6 @@ from __future__ import annotations
 import torch
 
 from sonata.kernels import dispatch
-from sonata.kernels.selective import ops
 from sonata.kernels.selective.autograd import fused_scan
 from sonata.kernels.selective.reference import project_delta, selective_scan_ref, step
 
@@ -58,6 +57,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None,
         dispatch.triton_chosen("selective_scan", backend, u)
     impl, _ = dispatch.load_backend(getattr(SELECTIVE, name))
     if name == "cpu":                   # a custom op: torch.compile traces through it (ops.py)
+        from sonata.kernels.selective import ops        # registered on first use (it imports dynamo)
         out, last_state, _ = ops.selective_scan(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus),
                                                 delta_proj, initial_state)
     else:

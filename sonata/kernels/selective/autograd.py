@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from sonata.kernels.dispatch import opaque
-
 
 class SelectiveScanFn(torch.autograd.Function):
     """out, last_state = SelectiveScanFn.apply(impl, u, delta, A, B, C, D, z, delta_bias, softplus,
@@ -63,7 +61,6 @@ def _extra(delta_proj, initial_state) -> dict:
     return extra
 
 
-@opaque
 def fused_scan(impl, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                delta_proj=None, initial_state=None):
     """Run a fused backend with autograd; returns (out, last_state)."""
