@@ -6,17 +6,19 @@
                    load_backend, compute_dtype, and `resolve`: a family's `Family` description
                    and a requested backend -> the backend that runs and why
     selective/     the Mamba-1 selective scan: `selective_scan`, `selective_scan_ref`,
-                   `resolve_backend` (reference.py, cpu.py + cpu_kernels.py, triton.py,
-                   autograd.py, decode_cpu.py: the model's one-token fused decode)
+                   `resolve_backend` (reference.py, cpu.py + cpu_kernels.py, ops.py: the cpu
+                   scan as a custom op, triton.py, autograd.py: the Triton path's,
+                   decode_cpu.py: the model's one-token fused decode)
     layers/        the fused layer ops: conv_silu, causal_conv_silu, rms_norm, rms_norm_gated,
                    cross_entropy, each beside its reference (reference.py, cpu.py + numba
-                   kernels, autograd.py)
+                   kernels, ops.py: each a custom op)
     ssd/           the SSD (Mamba-2) scan: `from sonata.kernels.ssd import ssd, ssd_step, ...`
     mamba3/        the Mamba-3 scan as mamba_ssm released it, SISO and MIMO: `mamba3_scan`,
                    `mamba3_step` (reference.py, ssd_form.py: SISO on the SSD kernel, chunked.py:
                    any rank, cpu_step.py: the layer's fused one-token step)
     gdn/           Gated DeltaNet's gated delta rule: `gated_delta_rule`, `gated_delta_rule_step`
-                   (reference.py: the recurrence and the chunked WY form, cpu.py: numba)
+                   (reference.py: the recurrence and the chunked WY form, cpu.py: numba,
+                   ops.py: the fused rule as a custom op)
     cpu_simd.py, cpu_arrays.py, numba_cache.py
                    shared numba infrastructure: lane widths, compile flags and fast maths; the
                    torch <-> numpy glue; the on-disk cache keyed by every source here
