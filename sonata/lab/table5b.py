@@ -13,6 +13,8 @@ short. The library returns rows; the notebook writes sentences and plots.
 """
 from __future__ import annotations
 
+import statistics
+
 from sonata.core.config import make_config
 from sonata.data.tasks import accuracy_by_length, make_task
 from sonata.lab.recall import BASE, track_curriculum
@@ -119,7 +121,7 @@ def table(acc: dict, test_length: int = 256) -> list[dict]:
             if not vals:
                 row[column(task)] = "-"
                 continue
-            mid = vals[len(vals) // 2] if len(vals) % 2 else (vals[len(vals) // 2 - 1] + vals[len(vals) // 2]) / 2
+            mid = statistics.median(vals)
             row[column(task)] = f"{mid:.1f}" + (f" ({vals[0]:.1f}..{vals[-1]:.1f}, {len(vals)} seeds)"
                                                   if len(vals) > 1 else "")
         out.append(row)

@@ -109,7 +109,11 @@ class _Decoder:
     @torch.inference_mode()
     def prefill(self, prompt) -> torch.Tensor:
         """Consume prompt (b, T) in one parallel pass; logits after its last token (b, vocab)."""
-        logits, states = self.model.prefill(prompt)
+        return self._load(*self.model.prefill(prompt))
+
+    def _load(self, logits, states) -> torch.Tensor:
+        """Take the model's layer states (conv (b, di, k) newest last, ssm) into the rings and
+        the logits after the last token (b, vocab) into the buffer -> the logits."""
         for i, (conv, ssm) in enumerate(states):
             self.conv_state[i].copy_(conv.transpose(1, 2))              # newest in slot k-1
             self.ssm_state[i].copy_(ssm)
@@ -127,12 +131,7 @@ class _Decoder:
         states = [(self.conv_state[i][:, order].transpose(1, 2).contiguous(), self.ssm_state[i].clone())
                   for i in range(self.conv_state.shape[0])]
         logits, states = self.model(tokens, states, return_state=True)
-        for i, (conv, ssm) in enumerate(states):
-            self.conv_state[i].copy_(conv.transpose(1, 2))              # newest in slot k-1
-            self.ssm_state[i].copy_(ssm)
-        self.pos = 0
-        self.logits.copy_(logits[:, -1])
-        return self.logits
+        return self._load(logits[:, -1], states)
 
     @torch.inference_mode()
     def snapshot(self) -> "DecodeState":
